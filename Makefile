@@ -1,0 +1,33 @@
+# The two commands a new machine needs: `make demo` and `make test`. Both build and reuse .venv.
+PYTHON ?= python3
+TORCH ?= 2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshkit-installed-$(TORCH)
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+# torch is pinned first and alone: an open range would pull the newest CUDA build from the registry.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	rm -f $(VENV)/.meshkit-installed-*
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/torchrun --nproc-per-node 8 recipes/train_llama.py --config recipes/configs/debug_cpu.toml
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check meshkit recipes benchmarks tests
+
+bench: venv
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,46 @@
+"""Every private or version-gated torch API meshkit touches, in one place.
+
+meshkit runs on torch 2.11 (the GPU machines) and 2.13 (CPU development). When torch moves one of
+these, only this file changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """Flatten a (sub)mesh into one named axis that later `root_mesh[name]` lookups resolve.
+
+    `DeviceMesh._flatten` is private in 2.11-2.13 but is the only way to derive a flattened group that
+    stays attached to the root mesh (so `mesh["dp_replicate", "dp_shard_cp"]` keeps working).
+    """
+    return mesh._flatten(name)
+
+
+def fsdp_sum_gradients(module) -> None:
+    """Make an FSDP2 unit sum gradients across data ranks instead of averaging them.
+
+    meshkit's loss already carries the global valid-token denominator, so FSDP's own division by the
+    data-parallel size would scale gradients twice (torchtitan #757/#2972 are this bug).
+    """
+    module.set_gradient_divide_factor(1.0)
+    # A factor of 1 otherwise becomes NCCL's PREMUL_SUM(1), which gloo lacks; plain SUM is the same sum.
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def submesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]`, where names may include axes created by `flatten_mesh`.
+
+    Slicing a flattened axis from the root warns of deprecation since 2.11 yet works through 2.13 and
+    is the only way to get the 2D HSDP mesh (dp_replicate, dp_shard_cp) without new process groups.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]

@@ -1,0 +1,29 @@
+"""Fail on every rank or on none.
+
+A rank that raises on its own leaves its peers blocked in the next collective until the process
+group times out. Every check whose outcome may differ between ranks (each rank sees its own batch)
+goes through `raise_if_any`: one small all-reduce tells every rank whether any rank failed, and only
+then are the messages gathered so each rank raises the same ValueError naming the failing ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def raise_if_any(problem: str | None, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> None:
+    """Raise ValueError on all ranks of `group` if `problem` is set on any of them."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if problem:
+            raise ValueError(problem)
+        return
+    flag = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not flag.item():
+        return
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, problem, group=group)
+    failing = [(rank, msg) for rank, msg in enumerate(messages) if msg]
+    lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failing)
+    raise ValueError(f"{len(failing)} of {len(messages)} ranks rejected their input:\n{lines}")

@@ -1,0 +1,76 @@
+"""The global gradient norm over a mix of DTensor meshes and plain tensors.
+
+After FSDP + TP a model's gradients live on different meshes (2D dp x tp for split weights, 1D dp for
+weights TP leaves alone, plain tensors where nothing shards). torch's clip_grad_norm_ refuses such a
+mix (transformers #36296). Here each gradient contributes its local sum of squares once, and partial
+sums are all-reduced only over the mesh axes on which that gradient is *sharded*: a replicated axis
+holds copies, which must not be counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _sharded_axes(grad: DTensor) -> tuple[int, ...]:
+    axes = []
+    for i, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError("gradient norm: a gradient is still Partial (unreduced); call after backward completes")
+        if not isinstance(placement, Replicate):
+            axes.append(i)
+    return tuple(axes)
+
+
+def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_groups=()) -> torch.Tensor:
+    """Norm of all gradients as one vector; `extra_groups` are process groups (e.g. pp) holding disjoint parameters."""
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    is_inf = math.isinf(norm_type)
+    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    meshes = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            key = (g.device_mesh.mesh_dim_names, _sharded_axes(g))
+            meshes[key] = g.device_mesh
+            buckets[key].append(g.to_local())
+        else:
+            buckets[("plain",)].append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    # Same order on every rank: keys name axes, never rank lists, so peers issue matching collectives.
+    for key in sorted(buckets, key=repr):
+        local = buckets[key]
+        if is_inf:
+            part = torch.stack([t.detach().abs().max().float() for t in local]).max()
+        else:
+            part = torch.stack([t.detach().float().norm(norm_type) ** norm_type for t in local]).sum()
+        if key != ("plain",):
+            mesh = meshes[key]
+            for dim in key[1]:
+                group = mesh.get_group(dim)
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, part) if is_inf else total + part
+    for group in extra_groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    return total if is_inf else total ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_groups=()) -> torch.Tensor:
+    """Scale gradients in place so the global norm is at most `max_norm`; return the norm before clipping."""
+    norm = total_grad_norm(params, norm_type, extra_groups)
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad.mul_(coef)
+    return norm

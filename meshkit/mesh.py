@@ -1,0 +1,107 @@
+"""The one 5D device mesh, and every process group derived from it.
+
+All of meshkit keys off a single `init_device_mesh` call with axes, outermost first,
+`("pp", "dp_replicate", "dp_shard", "cp", "tp")`. Size-1 axes are kept so that names always resolve
+and code never branches on which axes exist. Derived groups are flattened views of that mesh:
+
+- `dp`          = dp_replicate x dp_shard: ranks that see different batches (data loading).
+- `dp_shard_cp` = dp_shard x cp: ranks that hold the same weights and shard them (FSDP). Context
+  ranks fold in here because they run the same weights on different parts of one sequence.
+- `dp_cp`       = dp_replicate x dp_shard x cp: ranks whose losses add up to the global loss (loss
+  denominator, gradient-norm reduction).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshkit._compat import flatten_mesh, submesh
+from meshkit.plan import Plan, PlanError
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DERIVED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+def default_device_type() -> str:
+    """CUDA when this process can see a GPU, else CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.0) -> int:
+    """Initialise the default process group from torchrun's environment if nobody has; return world size.
+
+    A single process started without torchrun gets a private one-rank group, so a plan whose degrees
+    are all 1 runs from a plain `python` script or notebook.
+    """
+    if dist.is_initialized():
+        return dist.get_world_size()
+    device_type = device_type or default_device_type()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        store = dist.HashStore()
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
+    return dist.get_world_size()
+
+
+def world_size_from_env() -> int:
+    """World size of the running job without touching any process group (1 outside torchrun)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
+    """Build THE mesh for `plan`: one `init_device_mesh` call, then the flattened `dp`, `dp_shard_cp`, `dp_cp`.
+
+    The plan is validated against the world size before any collective, so a mismatch raises the same
+    ValueError on every rank. Outside torchrun, a plan that needs more than one process raises with
+    the `torchrun` command that would run it.
+    """
+    world = world_size_from_env()
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        resolved = plan.resolve(1) if plan.dp_shard == -1 else plan
+        if resolved.world_size != 1:
+            raise PlanError(
+                f"Plan is invalid:\n  - this process was not started by torchrun, but the plan "
+                f"({resolved.describe()}) needs {resolved.world_size} processes; fix: run "
+                f"`torchrun --nproc-per-node {resolved.world_size} your_script.py`"
+            )
+    plan = plan.validate(world_size=world)
+    device_type = device_type or default_device_type()
+    ensure_process_group(device_type)
+    shape = tuple(getattr(plan, axis) for axis in AXES)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+    for name, axes in DERIVED.items():
+        flatten_mesh(mesh[axes], name)
+    return mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: `dp_shard_cp`, or the 2D HSDP mesh when dp_replicate > 1."""
+    if mesh["dp_replicate"].size() > 1:
+        return submesh(mesh, ("dp_replicate", "dp_shard_cp"))
+    return submesh(mesh, "dp_shard_cp")
+
+
+def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1D mesh of a named axis, base (`tp`) or derived (`dp_cp`)."""
+    return submesh(mesh, name)
+
+
+def axis_size(mesh: DeviceMesh, name: str) -> int:
+    """Size of a named axis, base or derived."""
+    return submesh(mesh, name).size()

@@ -1,0 +1,1 @@
+"""Model adapters: the only package that knows Hugging Face module names."""

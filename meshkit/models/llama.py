@@ -1,0 +1,186 @@
+"""The Llama family as meshkit sees it: where the parts live, what each block's layers are for.
+
+This is the only module that knows Hugging Face module names. Everything else asks it for the parts
+of a causal LM (embedding, decoder blocks, final norm, LM head, rotary embedding) and for the *role*
+of each layer inside a block (column- or row-parallel linear, sequence-parallel norm, ...), and turns
+roles into parallel styles itself. Llama, Mistral, Qwen2 (attention biases) and Qwen3 (per-head q/k
+RMSNorm) share these names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Role of each layer inside a decoder block, by HF name relative to the block.
+#   colwise / rowwise : linear layers split on output / input features under TP
+#   seq_norm          : RMSNorm on the residual stream (sequence-sharded under SP)
+#   head_norm         : RMSNorm over head_dim applied per head (Qwen3 q_norm/k_norm); heads are split by TP
+#   attention / mlp   : modules whose input leaves the sequence-sharded region under SP
+BLOCK_ROLES = {
+    "input_layernorm": "seq_norm",
+    "self_attn": "attention",
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "self_attn.q_norm": "head_norm",
+    "self_attn.k_norm": "head_norm",
+    "post_attention_layernorm": "seq_norm",
+    "mlp": "mlp",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+@dataclass
+class CausalLMParts:
+    """The pieces of a decoder-only LM in execution order; shared objects, not copies."""
+
+    embed: nn.Embedding
+    blocks: list[nn.Module]
+    norm: nn.Module
+    lm_head: nn.Linear
+    rotary: nn.Module
+    tied: bool
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise a ValueError naming what is missing when `model` is not a Llama-family causal LM."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    inner = getattr(model, "model", None)
+    missing = [
+        name
+        for name, ok in (
+            ("config", config is not None),
+            ("model.embed_tokens", hasattr(inner, "embed_tokens")),
+            ("model.layers", hasattr(inner, "layers")),
+            ("model.norm", hasattr(inner, "norm")),
+            ("model.rotary_emb", hasattr(inner, "rotary_emb")),
+            ("lm_head", hasattr(model, "lm_head")),
+        )
+        if not ok
+    ]
+    if missing or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"meshkit.parallelize: {type(model).__name__} (model_type={model_type!r}) is not a supported "
+            f"Llama-family causal LM{f'; it lacks {missing}' if missing else ''}. Supported model types: "
+            f"{SUPPORTED_MODEL_TYPES} as their *ForCausalLM classes; fix: pass e.g. "
+            f"transformers.LlamaForCausalLM"
+        )
+    for i, block in enumerate(inner.layers):
+        attn = getattr(block, "self_attn", None)
+        if attn is None or not hasattr(block, "mlp"):
+            raise ValueError(f"meshkit.parallelize: decoder block {i} lacks self_attn/mlp; not a Llama-family block")
+
+
+def parts(model: nn.Module) -> CausalLMParts:
+    """The model's parts, after `check_supported`."""
+    inner = model.model
+    tied = model.lm_head.weight is inner.embed_tokens.weight
+    return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied)
+
+
+def block_roles(block: nn.Module) -> dict[str, str]:
+    """Role of each layer that exists in this block (Qwen3 adds head norms, Llama has none)."""
+    present = dict(block.named_modules())
+    return {name: role for name, role in BLOCK_ROLES.items() if name in present}
+
+
+def sliding_window_in_effect(config) -> int | None:
+    """The sliding window meshkit would ignore (it runs full causal attention), or None."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def check_config(config, seq_len: int | None) -> list[str]:
+    """Model-specific problems a Plan cannot know about."""
+    problems = []
+    window = sliding_window_in_effect(config)
+    if window is not None and seq_len is not None and seq_len > window:
+        problems.append(
+            f"seq_len={seq_len}: the model uses sliding-window attention (window {window}) and meshkit runs full "
+            f"causal attention; fix: use sequences of at most {window} tokens"
+        )
+    return problems
+
+
+def use_causal_sdpa(model: nn.Module) -> None:
+    """Route attention through SDPA with no mask tensor, so every block takes the `is_causal` path.
+
+    meshkit drives the blocks itself with `attention_mask=None`; under HF's eager attention that would
+    mean *no* causal mask at all, so the implementation is pinned here.
+    """
+    model.config._attn_implementation = "sdpa"
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = "sdpa"
+
+
+def run_block(block: nn.Module, hidden, position_embeddings, position_ids):
+    """One decoder block on the residual stream; HF blocks return the new hidden states."""
+    out = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def reset_rotary(rotary: nn.Module, device: torch.device) -> None:
+    """Recompute rotary buffers, which are not parameters and come back empty from the meta device.
+
+    A fresh module of the same class computes them exactly as HF does for every rope type.
+    """
+    with torch.device("cpu"):
+        fresh = type(rotary)(config=rotary.config)
+    for name, buf in fresh.named_buffers(recurse=False):
+        setattr(rotary, name, buf.to(device))
+    rotary.attention_scaling = fresh.attention_scaling
+
+
+def init_rule(name: str, config) -> tuple[str, float]:
+    """How HF initialises a parameter: ("ones"|"zeros"|"normal", std). Used to fill local shards."""
+    std = getattr(config, "initializer_range", 0.02)
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if owner.endswith("norm") or "layernorm" in owner:
+        return "ones", 0.0
+    if leaf == "bias":
+        return "zeros", 0.0
+    return "normal", std
+
+
+def padding_row(name: str, config) -> int | None:
+    """The embedding row HF zeroes at init (`pad_token_id`), if this parameter is the embedding."""
+    if name.endswith("embed_tokens.weight"):
+        pad = getattr(config, "pad_token_id", None)
+        return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+    return None
+
+
+def non_embedding_params(config) -> int:
+    """Parameter count outside the embedding and LM head, for the 6N FLOPs rule."""
+    h, i = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    attn = h * heads * d * 2 + h * kv * d * 2
+    mlp = 3 * h * i
+    return config.num_hidden_layers * (attn + mlp + 2 * h) + h
+
+
+def describe(config) -> str:
+    """Short shape line for logs."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    n = non_embedding_params(config)
+    return (f"{config.model_type} L={config.num_hidden_layers} h={config.hidden_size} heads={heads}/{kv} "
+            f"ffn={config.intermediate_size} vocab={config.vocab_size} ({n / 1e6:.2f}M non-embedding params)")

@@ -1,0 +1,273 @@
+"""`ParallelModel`: the handle a training loop holds after `parallelize`.
+
+It owns no parameters of its own: the HF model keeps them (now DTensors) under their original names,
+and `model_parts` are the stage modules this rank runs. It knows how to turn a data-parallel rank's
+batch into the single-device loss of the global batch, and how to reduce things (gradient norms,
+state dicts) across every axis of the mesh.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshkit import loss as loss_lib
+from meshkit.consensus import raise_if_any
+from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
+from meshkit.mesh import axis
+from meshkit.models import llama
+from meshkit.plan import Plan
+from meshkit.tensor_parallel import loss_context
+
+
+class ParallelModel:
+    """A model sharded by a Plan: `forward_backward`, `clip_grad_norm_`, state dicts, weight init."""
+
+    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, model_parts: list[nn.Module],
+                 device: torch.device):
+        self.model = model
+        self.plan = plan
+        self.mesh = mesh
+        self.model_parts = model_parts
+        self.device = device
+        self.check_inputs = True
+        self._dp = axis(mesh, "dp")
+        self._vocab = model.config.vocab_size
+
+    # ---------------------------------------------------------------- data
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank loads; tp peers share it and must receive identical batches."""
+        return self._dp.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        """How many distinct batches one step consumes."""
+        return self._dp.size()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (sharded DTensors where sharded), each once; give these to the optimizer."""
+        seen = set()
+        for part in self.model_parts:
+            for p in part.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their HF names."""
+        mine = {id(p) for p in self.parameters()}
+        for name, p in self.model.named_parameters():
+            if id(p) in mine:
+                yield name, p
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        """Switch every part to training (or eval) mode."""
+        for part in self.model_parts:
+            part.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        """Switch every part to eval mode."""
+        return self.train(False)
+
+    # ------------------------------------------------------------ the step
+    def count_valid_tokens(self, labels: torch.Tensor) -> int:
+        """Global number of predicted tokens in `labels` (after the one-token shift), over all data ranks.
+
+        For gradient accumulation, sum this over the window's batches and pass it as
+        `loss_denominator` to each `forward_backward` call: the accumulated gradient is then exactly
+        the gradient of the single-device loss of the whole window.
+        """
+        shifted = loss_lib.shift_labels(labels.to(self.device))
+        return loss_lib.global_valid_tokens(shifted, self._dp.get_group())
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        loss_denominator: int | float | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward on this data rank's batch [B, S]; return the loss, gradients accumulated.
+
+        The returned loss (detached, identical on every rank) is the single-device loss of the global
+        batch: token losses summed over all data ranks divided by `loss_denominator`, which defaults
+        to this call's global valid-token count. Labels are unshifted (HF convention, -100 ignored).
+        """
+        input_ids, labels, position_ids = self._prepare(input_ids, labels, position_ids)
+        shifted = loss_lib.shift_labels(labels)
+        if loss_denominator is None:
+            loss_denominator = loss_lib.global_valid_tokens(shifted, self._dp.get_group())
+        denominator = float(max(loss_denominator, 1))
+        (stage,) = self.model_parts
+        with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
+            logits = stage(input_ids, position_ids)
+            loss_sum = loss_lib.summed_cross_entropy(logits, shifted)
+            (loss_sum / denominator).backward()
+        return self._global_loss(loss_sum, denominator)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The global-batch loss without touching gradients (eval mode is the caller's choice)."""
+        input_ids, labels, position_ids = self._prepare(input_ids, labels, position_ids)
+        shifted = loss_lib.shift_labels(labels)
+        denominator = float(max(loss_lib.global_valid_tokens(shifted, self._dp.get_group()), 1))
+        (stage,) = self.model_parts
+        with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
+            loss_sum = loss_lib.summed_cross_entropy(stage(input_ids, position_ids), shifted)
+        return self._global_loss(loss_sum, denominator)
+
+    def _global_loss(self, loss_sum: torch.Tensor, denominator: float) -> torch.Tensor:
+        total = loss_sum.detach()
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        total = total.float().clone()
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self._dp.get_group())
+        return total / denominator
+
+    def _prepare(self, input_ids, labels, position_ids):
+        problem = self._input_problem(input_ids, labels, position_ids) if self.check_inputs else None
+        if self.check_inputs:
+            if problem is None and self.plan.tp > 1:
+                problem = self._tp_agreement_problem(input_ids)
+            raise_if_any(problem, device=self.device)
+        input_ids = input_ids.to(self.device)
+        labels = labels.to(self.device)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=self.device).unsqueeze(0)
+        return input_ids, labels, position_ids.to(self.device)
+
+    def _input_problem(self, input_ids, labels, position_ids) -> str | None:
+        if not isinstance(input_ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
+            return "input_ids and labels must be torch.Tensor [batch, seq]"
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            return f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
+        if labels.shape != input_ids.shape:
+            return f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
+        batch, seq = input_ids.shape
+        if batch < 1 or seq < 2:
+            return f"input_ids {tuple(input_ids.shape)}: need a batch of at least one sequence of at least 2 tokens"
+        if self.plan.tp > 1 and self.plan.sequence_parallel and seq % self.plan.tp:
+            return (f"sequence length {seq} is not a multiple of tp={self.plan.tp}, which sequence parallelism "
+                    f"splits it over; fix: pad or cut to a multiple of {self.plan.tp} or set sequence_parallel=false")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self._vocab:
+            return f"input_ids hold token ids in [{lo}, {hi}], outside the vocabulary [0, {self._vocab})"
+        valid = labels[labels != loss_lib.IGNORE_INDEX]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= self._vocab):
+            return (f"labels hold ids in [{int(valid.min())}, {int(valid.max())}]; each must be in "
+                    f"[0, {self._vocab}) or {loss_lib.IGNORE_INDEX} (ignored)")
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != seq
+                                         or position_ids.shape[0] not in (1, batch)):
+            return f"position_ids {tuple(position_ids.shape)} must be [1 or {batch}, {seq}]"
+        problems = llama.check_config(self.model.config, seq)
+        return problems[0] if problems else None
+
+    def _tp_agreement_problem(self, input_ids: torch.Tensor) -> str | None:
+        """TP peers compute one model on one batch; different batches would silently mix. Compare cheaply."""
+        tp = axis(self.mesh, "tp")
+        ids = input_ids.to(self.device, torch.int64)
+        weights = torch.arange(1, ids.numel() + 1, device=self.device, dtype=torch.int64).view_as(ids)
+        signature = torch.stack([torch.tensor(ids.shape[0], device=self.device),
+                                 torch.tensor(ids.shape[1], device=self.device),
+                                 (ids * weights).sum() % 1_000_000_007])
+        both = torch.cat([signature, -signature])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.get_group())
+        if torch.equal(both[:3], -both[3:]):
+            return None
+        return ("tensor-parallel peers received different batches (shape or content); ranks with the same "
+                "pm.dp_rank must load identical input_ids and labels")
+
+    # ------------------------------------------------------------ gradients
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm without clipping."""
+        return total_grad_norm(list(self.parameters()), norm_type)
+
+    # --------------------------------------------------------- state dicts
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer as a plain CPU tensor under its HF name (on every rank)."""
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            out[name] = tensor.detach().cpu().clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy full (unsharded) tensors into this rank's shards; each rank slices what it holds, no traffic."""
+        self._materialise()
+        own = dict(self.model.named_parameters())
+        own.update(dict(self.model.named_buffers()))
+        missing = sorted(set(own) - set(state_dict) - _non_persistent(self.model))
+        unexpected = sorted(set(state_dict) - set(own))
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+        for name, target in own.items():
+            if name in state_dict:
+                _copy_full_into(target, state_dict[name])
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
+
+        Each parameter's values depend only on (seed, its HF name), never on the plan: the same seed
+        gives the same model under any plan. Memory peak is one full parameter, never the whole model.
+        """
+        self._materialise()
+        config = self.model.config
+        for name, param in self.model.named_parameters():
+            rule, std = llama.init_rule(name, config)
+            shape = param.shape
+            if rule == "ones":
+                full = torch.ones(shape)
+            elif rule == "zeros":
+                full = torch.zeros(shape)
+            else:
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+                full = torch.randn(shape, generator=gen) * std
+                row = llama.padding_row(name, config)
+                if row is not None:
+                    full[row] = 0
+            _copy_full_into(param, full)
+
+    def _materialise(self) -> None:
+        if not any(t.is_meta for t in self.model.parameters()) and not any(
+            b.is_meta for b in self.model.buffers()
+        ):
+            return
+        self.model.to_empty(device=self.device)
+        llama.reset_rotary(llama.parts(self.model).rotary, self.device)
+
+
+def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    if tuple(full.shape) != tuple(target.shape):
+        raise ValueError(f"shape mismatch: expected {tuple(target.shape)}, got {tuple(full.shape)}")
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                  src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    names = set()
+    for prefix, module in model.named_modules():
+        for buf in getattr(module, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{buf}" if prefix else buf)
+    return names

@@ -1,0 +1,93 @@
+"""`parallelize`: apply a Plan to an unmodified HF model, in the one order that composes.
+
+Order: validate (every rank, before any collective) -> mesh -> TP/SP -> activation checkpointing ->
+torch.compile per block -> FSDP2 per unit (embedding, each block, [norm, lm_head], root). TP comes
+first because FSDP must shard the DTensors TP produced (2D); AC wraps the block FSDP will wrap, so
+FSDP's all-gather hooks stay outside the recomputed region; compile sees a block with its TP
+collectives and checkpoint boundaries but not FSDP's hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshkit import data_parallel, mesh as mesh_lib
+from meshkit.activation_checkpoint import apply_activation_checkpointing
+from meshkit.models import llama
+from meshkit.parallel_model import ParallelModel
+from meshkit.plan import Plan, PlanError
+from meshkit.stage import CausalLMStage
+from meshkit.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
+    """Shard and wrap `model` in place according to `plan`; return the handle that trains it.
+
+    `model` is an HF Llama-family `*ForCausalLM`, on CPU, on its GPU, or on the meta device (then call
+    `ParallelModel.init_weights` or `load_full_state_dict`: each rank materialises only its shards).
+    Every invalid input raises ValueError on every rank before the first collective.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
+    llama.check_supported(model)
+    world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
+    plan = plan.validate(model.config, world)
+    if mesh is None:
+        mesh = mesh_lib.init_mesh(plan)
+    else:
+        _check_mesh(mesh, plan)
+
+    device = _mesh_device(mesh)
+    if not _on_meta(model) and device.type != "cpu":
+        model.to(device)
+    llama.use_causal_sdpa(model)
+    parts = llama.parts(model)
+
+    if plan.tp > 1:
+        apply_tensor_parallel(
+            parts, mesh["tp"], sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel
+        )
+    blocks = apply_activation_checkpointing(parts.blocks, plan.activation_checkpointing)
+    if plan.compile:
+        for block in blocks:
+            block.compile()
+    stage = CausalLMStage(
+        dict(enumerate(blocks)), parts.rotary, embed=parts.embed, norm=parts.norm, lm_head=parts.lm_head
+    )
+    if data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype):
+        # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
+        # with tying both stay in the root unit.
+        edges = [] if parts.tied else [parts.embed]
+        tail = [] if parts.tied else [[parts.norm, parts.lm_head]]
+        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        data_parallel.apply_fsdp(
+            edges + blocks + tail,
+            stage,
+            mesh_lib.fsdp_mesh(mesh),
+            param_dtype=plan.param_dtype,
+            reduce_dtype=plan.reduce_dtype,
+            reshard_after_forward=reshard,
+        )
+    return ParallelModel(model, plan, mesh, [stage], device)
+
+
+def _check_mesh(mesh: DeviceMesh, plan: Plan) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    expected = tuple(getattr(plan, axis) for axis in mesh_lib.AXES)
+    if names != mesh_lib.AXES or tuple(mesh.shape) != expected:
+        raise PlanError(
+            f"Plan is invalid:\n  - mesh {dict(zip(names, mesh.shape))} does not match the plan "
+            f"{dict(zip(mesh_lib.AXES, expected))}; fix: pass mesh=meshkit.init_mesh(plan) or mesh=None"
+        )
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())

@@ -1,0 +1,276 @@
+"""The Plan: how many ranks each parallelism gets, and the options that shape it.
+
+A Plan is plain data. It is checked twice: on its own when built (bad option values), and against a
+model, a world size and a sequence length by `validate` (divisibility), which every rank runs on
+identical inputs before any collective, so every rank raises the same ValueError instead of some
+ranks hanging in a collective that the failing rank never joins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+AC_MODES = ("none", "selective", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Axes this version implements above degree 1; the others are refused by `validate` with the reason.
+_NOT_YET = {
+    "pp": "pipeline parallelism is not implemented yet (tracked as the pipeline-parallel issue)",
+    "cp": "context parallelism is not implemented yet (tracked as the context-parallel issue)",
+    "ep": "expert parallelism is not implemented yet (tracked as the expert-parallel issue)",
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message lists every violation with its fix."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Degrees of every parallelism plus the options that shape them.
+
+    Degrees multiply to the world size, except `ep`, which folds over `dp_shard * cp` (experts reuse
+    data/context ranks). `dp_shard=-1` takes whatever the other degrees leave of the world.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    activation_checkpointing: str = "none"
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    reshard_after_forward: bool | None = None
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in DEGREES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                problems.append(f"{name}={value!r}: must be an int; fix: pass e.g. {name}=2")
+            elif value < 1 and not (name == "dp_shard" and value == -1):
+                fill = " (or -1 to fill the world)" if name == "dp_shard" else ""
+                problems.append(f"{name}={value}: must be >= 1{fill}; fix: use a positive degree")
+        if self.activation_checkpointing not in AC_MODES:
+            problems.append(
+                f"activation_checkpointing={self.activation_checkpointing!r}: must be one of {AC_MODES}"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                problems.append(f"{name}={getattr(self, name)!r}: must be one of {DTYPES}")
+        for name in ("sequence_parallel", "loss_parallel", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
+        _raise(problems)
+
+    # ------------------------------------------------------------------ sizes
+    def resolve(self, world_size: int) -> Plan:
+        """Return a copy with `dp_shard=-1` replaced by what the other degrees leave of the world."""
+        if self.dp_shard != -1:
+            return self
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        if world_size % others:
+            raise PlanError(
+                f"Plan is invalid:\n  - dp_shard=-1 cannot fill world_size={world_size}: the other degrees "
+                f"multiply to {others}, which does not divide it; fix: launch a multiple of {others} "
+                f"processes or change pp/dp_replicate/cp/tp"
+            )
+        return dataclasses.replace(self, dp_shard=world_size // others)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs (requires `dp_shard` resolved)."""
+        if self.dp_shard == -1:
+            raise PlanError("dp_shard=-1 is unresolved; call plan.resolve(world_size) first")
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many distinct batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    # ------------------------------------------------------------- validation
+    def validate(self, model_config: Any = None, world_size: int | None = None, seq_len: int | None = None) -> Plan:
+        """Check the plan against a model config, a world size and a sequence length.
+
+        Pure and deterministic: every rank runs it on identical arguments before any collective, so
+        a bad plan raises the same `PlanError` (a ValueError) everywhere. Returns the resolved plan.
+        """
+        problems: list[str] = []
+        plan = self
+        if world_size is not None:
+            if not isinstance(world_size, int) or world_size < 1:
+                raise PlanError(f"Plan is invalid:\n  - world_size={world_size!r}: must be a positive int")
+            plan = self.resolve(world_size)
+            if plan.world_size != world_size:
+                problems.append(
+                    f"world_size={world_size}: the plan needs pp*dp_replicate*dp_shard*cp*tp = "
+                    f"{plan.pp}*{plan.dp_replicate}*{plan.dp_shard}*{plan.cp}*{plan.tp} = {plan.world_size} "
+                    f"processes; fix: launch `torchrun --nproc-per-node {plan.world_size}` or set dp_shard=-1"
+                )
+        for axis, why in _NOT_YET.items():
+            if getattr(plan, axis) > 1:
+                problems.append(f"{axis}={getattr(plan, axis)}: {why}; fix: set {axis}=1")
+        if plan.param_dtype == "float32" and plan.reduce_dtype != "float32":
+            problems.append(
+                f"reduce_dtype={plan.reduce_dtype!r} with param_dtype='float32': reducing in lower precision "
+                "than the parameters loses gradient bits for nothing; fix: reduce_dtype='float32'"
+            )
+        if model_config is not None:
+            problems += _check_model(plan, model_config)
+        if seq_len is not None:
+            if not isinstance(seq_len, int) or seq_len < 2:
+                problems.append(f"seq_len={seq_len!r}: need at least 2 tokens to predict one")
+            elif plan.tp > 1 and plan.sequence_parallel and seq_len % plan.tp:
+                need = plan.tp
+                problems.append(
+                    f"seq_len={seq_len}: sequence parallelism splits the sequence over tp={plan.tp}, so it must "
+                    f"be a multiple of {need}; fix: pad or cut sequences to {math.ceil(seq_len / need) * need} "
+                    f"tokens, or set sequence_parallel=false"
+                )
+        _raise(problems)
+        return plan
+
+    # ------------------------------------------------------------ load / dump
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Build from a mapping; unknown keys are an error naming the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(
+                f"Plan is invalid:\n  - unknown option(s) {unknown}; known options: {sorted(known)}"
+            )
+        return cls(**dict(data))
+
+    @classmethod
+    def from_toml(cls, source: str | Path | Mapping[str, Any], table: str = "plan") -> Plan:
+        """Load from a TOML file (its `[plan]` table, or the top level if it has none) or parsed dict."""
+        if isinstance(source, Mapping):
+            data = dict(source)
+        else:
+            with open(source, "rb") as f:
+                data = tomllib.load(f)
+        if table in data and isinstance(data[table], Mapping):
+            data = dict(data[table])
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_string(cls, text: str) -> Plan:
+        """Parse the compact form `"tp=2,dp_shard=-1,activation_checkpointing=full"`."""
+        data: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            if "=" not in item:
+                raise PlanError(f"Plan is invalid:\n  - {item!r}: expected key=value, e.g. tp=2")
+            key, value = (s.strip() for s in item.split("=", 1))
+            data[key] = _parse_value(cls, key, value)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain mapping of every field (TOML-serialisable except a None `reshard_after_forward`)."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line naming the non-trivial degrees, for logs."""
+        parts = [f"{d}={getattr(self, d)}" for d in DEGREES if getattr(self, d) != 1]
+        return ",".join(parts) or "single device"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one `--<option>` flag per field (all default to "not given", so TOML values survive)."""
+        group = parser.add_argument_group("meshkit plan")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            group.add_argument(flag, dest=f"plan_{f.name}", default=None, metavar=f.name.upper(),
+                               help=f"Plan.{f.name} (default {f.default!r})")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, base: Plan | None = None) -> Plan:
+        """Overlay the flags given on the command line on `base` (a TOML-loaded plan, say)."""
+        data = (base or cls()).to_dict()
+        for f in fields(cls):
+            raw = getattr(args, f"plan_{f.name}", None)
+            if raw is not None:
+                data[f.name] = _parse_value(cls, f.name, raw)
+        return cls.from_dict(data)
+
+
+def _parse_value(cls: type, key: str, value: str) -> Any:
+    types = {f.name: f.type for f in fields(cls)}
+    if key not in types:
+        raise PlanError(f"Plan is invalid:\n  - unknown option {key!r}; known options: {sorted(types)}")
+    kind = str(types[key])
+    lowered = value.lower()
+    if kind.startswith("int"):
+        try:
+            return int(value)
+        except ValueError:
+            raise PlanError(f"Plan is invalid:\n  - {key}={value!r}: must be an int") from None
+    if "bool" in kind:
+        if lowered in ("none", "null", "auto") and "None" in kind:
+            return None
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise PlanError(f"Plan is invalid:\n  - {key}={value!r}: must be true or false")
+    return value
+
+
+def _check_model(plan: Plan, config: Any) -> list[str]:
+    problems = []
+    need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+    missing = [n for n in need if getattr(config, n, None) is None]
+    if missing:
+        return [f"model config {type(config).__name__} lacks {missing}: meshkit supports Llama-family "
+                f"decoder configs (Llama, Qwen2/3, Mistral); fix: pass such a model"]
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    tp = plan.tp
+    if tp > 1:
+        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                            ("intermediate_size", config.intermediate_size)):
+            if value % tp:
+                divisors = [d for d in range(1, value + 1) if value % d == 0]
+                problems.append(
+                    f"tp={tp}: tensor parallelism splits {name}={value} across ranks, and {tp} does not divide "
+                    f"it; fix: use a tp in {divisors}"
+                )
+        if config.vocab_size % tp:
+            problems.append(
+                f"tp={tp}: the vocab-parallel embedding and LM head split vocab_size={config.vocab_size}, and {tp} does "
+                f"not divide it; fix: pad the vocabulary to {math.ceil(config.vocab_size / tp) * tp}"
+            )
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        problems.append(
+            f"attention_dropout={dropout}: dropout makes sharded and single-device runs differ and is not "
+            "supported; fix: set config.attention_dropout=0.0"
+        )
+    return problems
+
+
+def _raise(problems: Sequence[str]) -> None:
+    if problems:
+        raise PlanError("Plan is invalid:\n" + "\n".join(f"  - {p}" for p in problems))

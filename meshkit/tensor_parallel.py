@@ -1,0 +1,95 @@
+"""Tensor and sequence parallelism for Llama-family blocks, and the vocab-parallel loss.
+
+Megatron's layout expressed with torch's ParallelStyles: q/k/v/gate/up split on output features
+(colwise), o/down on input features (rowwise), so each block needs one reduction after attention and
+one after the MLP. With sequence parallelism those reductions become reduce-scatters onto a
+sequence-sharded residual stream, the norms run on 1/tp of the tokens, and the all-gathers move to
+the attention and MLP inputs: same bytes as the all-reduce, 1/tp of the norm activations.
+
+The embedding is split by vocabulary rows and the LM head by vocabulary columns, so the logits stay
+vocab-sharded and cross-entropy runs on the shards (`loss_parallel`): the full [tokens, vocab] fp32
+logits, often the memory peak, never exist on one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from meshkit.models import llama
+
+
+def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, object]:
+    seq = Shard(1)
+    styles: dict[str, object] = {}
+    for name, role in roles.items():
+        if role == "colwise":
+            styles[name] = ColwiseParallel()
+        elif role == "rowwise":
+            styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+        elif role == "head_norm":
+            # A per-head norm sees this rank's heads (dim 2 of [B, S, heads, head_dim]); its weight is
+            # shared by all heads, so it must be a Replicate DTensor whose gradient sums over tp.
+            styles[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif not sequence_parallel:
+            continue
+        elif role == "seq_norm":
+            styles[name] = SequenceParallel()
+        elif role == "attention":
+            styles[name] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            )
+        elif role == "mlp":
+            styles[name] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+    return styles
+
+
+def apply_tensor_parallel(
+    parts: llama.CausalLMParts,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
+    """Shard the embedding, every block, the final norm and the LM head over `tp_mesh`, in place.
+
+    Between blocks the residual stream is a plain local tensor: sequence-sharded [B, S/tp, H] with SP,
+    replicated [B, S, H] without. The logits come out as a DTensor sharded on the vocabulary when
+    `loss_parallel`, else as a replicated plain tensor.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+    for block in parts.blocks:
+        parallelize_module(block, tp_mesh, _block_styles(llama.block_roles(block), sequence_parallel))
+    if sequence_parallel:
+        parallelize_module(parts.norm, tp_mesh, SequenceParallel())
+    head = ColwiseParallel(
+        input_layouts=seq,
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
+    parallelize_module(parts.lm_head, tp_mesh, head)
+    if parts.tied:
+        # Each style distributed its own copy; the rowwise embedding and the colwise head both shard
+        # the [vocab, hidden] weight on dim 0, so one DTensor can serve both again.
+        parts.lm_head.weight = parts.embed.weight
+
+
+def loss_context(tp_enabled: bool, loss_parallel_on: bool):
+    """The context under which cross-entropy accepts vocab-sharded logits (a no-op otherwise)."""
+    return loss_parallel() if tp_enabled and loss_parallel_on else contextlib.nullcontext()
+
