@@ -64,6 +64,19 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def require_launcher(plan: Plan) -> None:
+    """Outside torchrun only a one-process plan can run; say which command would run this one."""
+    if dist.is_initialized() or "RANK" in os.environ:
+        return
+    resolved = plan.resolve(1) if plan.dp_shard == -1 else plan
+    if resolved.world_size != 1:
+        raise PlanError(
+            f"Plan is invalid:\n  - this process was not started by torchrun, but the plan "
+            f"({resolved.describe()}) needs {resolved.world_size} processes; fix: run "
+            f"`torchrun --nproc-per-node {resolved.world_size} your_script.py`"
+        )
+
+
 def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     """Build THE mesh for `plan`: one `init_device_mesh` call, then the flattened `dp`, `dp_shard_cp`, `dp_cp`.
 
@@ -71,15 +84,8 @@ def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     ValueError on every rank. Outside torchrun, a plan that needs more than one process raises with
     the `torchrun` command that would run it.
     """
+    require_launcher(plan)
     world = world_size_from_env()
-    if not dist.is_initialized() and "RANK" not in os.environ:
-        resolved = plan.resolve(1) if plan.dp_shard == -1 else plan
-        if resolved.world_size != 1:
-            raise PlanError(
-                f"Plan is invalid:\n  - this process was not started by torchrun, but the plan "
-                f"({resolved.describe()}) needs {resolved.world_size} processes; fix: run "
-                f"`torchrun --nproc-per-node {resolved.world_size} your_script.py`"
-            )
     plan = plan.validate(world_size=world)
     device_type = device_type or default_device_type()
     ensure_process_group(device_type)

@@ -136,10 +136,12 @@ class ParallelModel:
         return total / denominator
 
     def _prepare(self, input_ids, labels, position_ids):
-        problem = self._input_problem(input_ids, labels, position_ids) if self.check_inputs else None
         if self.check_inputs:
-            if problem is None and self.plan.tp > 1:
-                problem = self._tp_agreement_problem(input_ids)
+            problem = self._input_problem(input_ids, labels, position_ids)
+            # Every rank joins the same collectives whatever it found locally, or the peers hang.
+            if self.plan.tp > 1:
+                disagreement = self._tp_agreement_problem(input_ids if problem is None else None)
+                problem = problem or disagreement
             raise_if_any(problem, device=self.device)
         input_ids = input_ids.to(self.device)
         labels = labels.to(self.device)
@@ -173,18 +175,25 @@ class ParallelModel:
         problems = llama.check_config(self.model.config, seq)
         return problems[0] if problems else None
 
-    def _tp_agreement_problem(self, input_ids: torch.Tensor) -> str | None:
-        """TP peers compute one model on one batch; different batches would silently mix. Compare cheaply."""
+    def _tp_agreement_problem(self, input_ids: torch.Tensor | None) -> str | None:
+        """TP peers compute one model on one batch; different batches would silently mix. Compare cheaply.
+
+        A rank whose input is already known bad (None) still joins, with a signature that disagrees.
+        """
         tp = axis(self.mesh, "tp")
-        ids = input_ids.to(self.device, torch.int64)
-        weights = torch.arange(1, ids.numel() + 1, device=self.device, dtype=torch.int64).view_as(ids)
-        signature = torch.stack([torch.tensor(ids.shape[0], device=self.device),
-                                 torch.tensor(ids.shape[1], device=self.device),
-                                 (ids * weights).sum() % 1_000_000_007])
+        if input_ids is None:
+            signature = torch.full((3,), -1, dtype=torch.int64, device=self.device)
+        else:
+            ids = input_ids.to(self.device, torch.int64)
+            weights = torch.arange(1, ids.numel() + 1, device=self.device, dtype=torch.int64).view_as(ids)
+            signature = torch.stack([torch.tensor(ids.shape[0], device=self.device),
+                                     torch.tensor(ids.shape[1], device=self.device),
+                                     (ids * weights).sum() % 1_000_000_007])
         both = torch.cat([signature, -signature])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.get_group())
-        if torch.equal(both[:3], -both[3:]):
-            return None
+        smallest = -both[3:]
+        if input_ids is None or bool((smallest == -1).all()) or torch.equal(both[:3], smallest):
+            return None  # agreement, or a peer already failed and will report its own reason
         return ("tensor-parallel peers received different batches (shape or content); ranks with the same "
                 "pm.dp_rank must load identical input_ids and labels")
 
@@ -211,7 +220,7 @@ class ParallelModel:
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy full (unsharded) tensors into this rank's shards; each rank slices what it holds, no traffic."""
         self._materialise()
-        own = dict(self.model.named_parameters())
+        own = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         own.update(dict(self.model.named_buffers()))
         missing = sorted(set(own) - set(state_dict) - _non_persistent(self.model))
         unexpected = sorted(set(state_dict) - set(own))

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkit import data_parallel, mesh as mesh_lib
+from meshkit import data_parallel
+from meshkit import mesh as mesh_lib
 from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.models import llama
 from meshkit.parallel_model import ParallelModel
 from meshkit.plan import Plan, PlanError
 from meshkit.stage import CausalLMStage
-from meshkit.tensor_parallel import apply_tensor_parallel
+from meshkit.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
@@ -32,6 +33,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     if not isinstance(plan, Plan):
         raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
     llama.check_supported(model)
+    if mesh is None:
+        mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
     plan = plan.validate(model.config, world)
     if mesh is None:
@@ -56,7 +59,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     stage = CausalLMStage(
         dict(enumerate(blocks)), parts.rotary, embed=parts.embed, norm=parts.norm, lm_head=parts.lm_head
     )
-    if data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype):
+    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
+    if plan.tp > 1 and not use_fsdp:
+        reduce_partial_grads([stage])
+    if use_fsdp:
         # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
         # with tying both stay in the root unit.
         edges = [] if parts.tied else [parts.embed]

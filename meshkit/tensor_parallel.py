@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -93,3 +95,21 @@ def loss_context(tp_enabled: bool, loss_parallel_on: bool):
     """The context under which cross-entropy accepts vocab-sharded logits (a no-op otherwise)."""
     return loss_parallel() if tp_enabled and loss_parallel_on else contextlib.nullcontext()
 
+
+
+def reduce_partial_grads(modules: list[nn.Module]) -> None:
+    """Make replicated TP weights (norms) end backward with reduced gradients when FSDP is absent.
+
+    Their gradient comes out Partial (each rank saw different tokens or heads); FSDP reduces it as
+    part of its reduce-scatter, but without FSDP nothing would, and optimizers and norms would read
+    one rank's share.
+    """
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None and any(p.is_partial() for p in param.grad.placements):
+            param.grad = param.grad.redistribute(placements=param.placements)
+
+    for module in modules:
+        for param in module.parameters():
+            if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
+                param.register_post_accumulate_grad_hook(hook)

@@ -1,0 +1,112 @@
+"""Mistakes a new user makes: each must raise a clear ValueError on EVERY rank, never hang one of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import meshkit
+from meshkit.testing.reference import ModelSpec
+
+ALL_RANKS_QUICKLY = 30.0  # seconds; a hang would hit this and fail as RankTimeout
+
+
+def _parallelize(plan: str, model: ModelSpec) -> None:
+    meshkit.parallelize(model.build(), meshkit.Plan.from_string(plan))
+
+
+def _assert_every_rank_raised(outcomes, *patterns: str) -> None:
+    for o in outcomes:
+        assert not o.ok, f"rank {o.rank} did not raise"
+        assert isinstance(o.value, ValueError), f"rank {o.rank} raised {o.exc_type}: {o.message}"
+        for pattern in patterns:
+            assert pattern in o.message, f"rank {o.rank}: {pattern!r} not in {o.message!r}"
+
+
+def test_world_size_that_does_not_match_the_plan(dist):
+    outcomes = dist(4).run_raw(_parallelize, "tp=2", ModelSpec(), timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "world_size=4", "needs", "= 2 processes", "--nproc-per-node 2")
+
+
+def test_tp_that_does_not_divide_the_kv_heads(dist):
+    outcomes = dist(2).run_raw(_parallelize, "tp=2", ModelSpec(heads=4, kv_heads=1), timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "num_key_value_heads=1", "use a tp in [1]")
+
+
+def _parallelize_gpt2() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=16))
+    meshkit.parallelize(model, meshkit.Plan(tp=2))
+
+
+def test_a_non_llama_model(dist):
+    outcomes = dist(2).run_raw(_parallelize_gpt2, timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "GPT2LMHeadModel", "not a supported Llama-family causal LM")
+
+
+def _step_with(plan: str, bad_rank: int | None, seq: int, what: str) -> None:
+    model = ModelSpec(vocab=32)
+    pm = meshkit.parallelize(model.build(), meshkit.Plan.from_string(plan))
+    ids = torch.randint(0, 32, (2, seq), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    rank = torch.distributed.get_rank()
+    if bad_rank is None or rank == bad_rank:
+        if what == "token":
+            ids[0, 0] = 40
+        elif what == "label":
+            labels[1, 2] = -7
+        elif what == "batch":
+            ids[1, 1] = (ids[1, 1] + 1) % 32
+    pm.forward_backward(ids, labels)
+
+
+def test_a_sequence_length_sequence_parallelism_cannot_split(dist):
+    outcomes = dist(2).run_raw(_step_with, "tp=2", None, 7, "none", timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "sequence length 7 is not a multiple of tp=2")
+
+
+def test_one_rank_with_an_out_of_range_token_fails_every_rank(dist):
+    outcomes = dist(4).run_raw(_step_with, "dp_shard=4", 2, 8, "token", timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "1 of 4 ranks rejected", "rank 2:", "outside the vocabulary [0, 32)")
+
+
+def test_one_rank_with_a_bad_label_fails_every_rank(dist):
+    outcomes = dist(4).run_raw(_step_with, "tp=2,dp_shard=2", 3, 8, "label", timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "rank 3:", "labels hold ids", "-100 (ignored)")
+
+
+def test_tensor_parallel_peers_with_different_batches(dist):
+    outcomes = dist(2).run_raw(_step_with, "tp=2", 1, 8, "batch", timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "tensor-parallel peers received different batches")
+
+
+def test_running_without_torchrun():
+    code = (
+        "import meshkit\n"
+        "from meshkit.testing.reference import ModelSpec\n"
+        "try:\n"
+        "    meshkit.parallelize(ModelSpec().build(), meshkit.Plan(tp=2))\n"
+        "except ValueError as e:\n"
+        "    print('ERROR:', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "ERROR:" in out.stdout, out.stdout + out.stderr
+    assert "not started by torchrun" in out.stdout and "torchrun --nproc-per-node 2" in out.stdout
+
+
+def test_single_process_runs_without_torchrun():
+    code = (
+        "import torch, meshkit\n"
+        "from meshkit.testing.reference import ModelSpec\n"
+        "pm = meshkit.parallelize(ModelSpec().build(), meshkit.Plan())\n"
+        "ids = torch.randint(0, 64, (2, 8))\n"
+        "print('LOSS', pm.forward_backward(ids, ids).item())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "LOSS" in out.stdout, out.stdout + out.stderr
