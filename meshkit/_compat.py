@@ -44,3 +44,23 @@ def submesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         return mesh[names]
+
+
+def sdpa_op(name: str):
+    """A private aten attention op by name (`_scaled_dot_product_flash_attention_for_cpu`, its
+    `_backward`, and the CUDA flash / efficient / cuDNN variants with theirs).
+
+    Context-parallel attention needs each block's log-sum-exp and a backward that takes the final
+    output and LSE; only these private ops expose both.
+    """
+    import torch
+
+    return getattr(torch.ops.aten, name).default
+
+
+def all_to_all_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 whose backward is the same all-to-all (functional collectives)."""
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
