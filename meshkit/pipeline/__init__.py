@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (`schedules`) and their checker and simulator (`simulate`)."""
