@@ -162,13 +162,13 @@ class ParallelModel:
         if self.plan.tp > 1 and self.plan.sequence_parallel and seq % self.plan.tp:
             return (f"sequence length {seq} is not a multiple of tp={self.plan.tp}, which sequence parallelism "
                     f"splits it over; fix: pad or cut to a multiple of {self.plan.tp} or set sequence_parallel=false")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+        targets = labels.masked_fill(labels == loss_lib.IGNORE_INDEX, 0)
+        lo, hi, t_lo, t_hi = torch.stack([input_ids.min(), input_ids.max(), targets.min(), targets.max()]).tolist()
         if lo < 0 or hi >= self._vocab:
             return f"input_ids hold token ids in [{lo}, {hi}], outside the vocabulary [0, {self._vocab})"
-        valid = labels[labels != loss_lib.IGNORE_INDEX]
-        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= self._vocab):
-            return (f"labels hold ids in [{int(valid.min())}, {int(valid.max())}]; each must be in "
-                    f"[0, {self._vocab}) or {loss_lib.IGNORE_INDEX} (ignored)")
+        if t_lo < 0 or t_hi >= self._vocab:
+            return (f"labels hold ids in [{t_lo}, {t_hi}]; each must be in [0, {self._vocab}) "
+                    f"or {loss_lib.IGNORE_INDEX} (ignored)")
         if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != seq
                                          or position_ids.shape[0] not in (1, batch)):
             return f"position_ids {tuple(position_ids.shape)} must be [1 or {batch}, {seq}]"
