@@ -1,0 +1,63 @@
+"""Session-wide fixtures: one gloo worker pool per world size, and the hypothesis profiles.
+
+Pools live for the whole session because starting torch ranks costs seconds; a failing test only
+costs a restart of its pool (well under a second once the fork server is up).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from meshkit.testing import WorkerPool
+
+# Imported once by the fork server and inherited by every worker, instead of once per rank (the
+# Llama modeling import alone costs ~2 s of CPU per process). Only stable third-party modules: the
+# fork server dies on anything but ImportError, so code under development must not be listed.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "transformers.models.llama.modeling_llama",
+    "pytest",
+    "hypothesis",
+)
+
+# The per-test wall-clock guard: a run that takes longer kills its pool and fails the test.
+TIMEOUT = float(os.environ.get("MESHKIT_TEST_TIMEOUT", "120"))
+
+# "ci" is reproducible: the same examples on every run and machine, none replayed from a local database.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev",
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def dist() -> Iterator[Callable[[int], WorkerPool]]:
+    """`dist(world_size)`: the session's pool of that many gloo ranks, started on first use."""
+    pools: dict[int, WorkerPool] = {}
+
+    def get(world_size: int) -> WorkerPool:
+        if world_size not in pools:
+            pools[world_size] = WorkerPool(world_size, timeout=TIMEOUT, preload=PRELOAD)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
