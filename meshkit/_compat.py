@@ -64,3 +64,26 @@ def all_to_all_autograd(x: torch.Tensor, group) -> torch.Tensor:
 
     out = funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def split_axis(mesh: DeviceMesh, axis: str, sizes: tuple[int, int], names: tuple[str, str]):
+    """Split one axis of the root mesh into (outer, inner) parts; return (inner, outer) as 1D meshes or groups.
+
+    `DeviceMesh._unflatten` (2.10+) derives them from the mesh. Without it, the same groups are built
+    with `new_subgroups_by_enumeration`, enumerating every copy of the axis across the whole mesh, since
+    every rank must take part in creating every group.
+    """
+    import torch.distributed as dist
+
+    sub = mesh[axis]
+    if hasattr(sub, "_unflatten"):
+        split = sub._unflatten(0, sizes, names)
+        return split[names[1]], split[names[0]]
+    outer, inner = sizes
+    dim = mesh.mesh_dim_names.index(axis)
+    copies = mesh.mesh.movedim(dim, -1).reshape(-1, outer * inner).tolist()
+    inner_groups = [ranks[o * inner:(o + 1) * inner] for ranks in copies for o in range(outer)]
+    outer_groups = [ranks[i::inner] for ranks in copies for i in range(inner)]
+    mine_inner, _ = dist.new_subgroups_by_enumeration(inner_groups)
+    mine_outer, _ = dist.new_subgroups_by_enumeration(outer_groups)
+    return mine_inner, mine_outer

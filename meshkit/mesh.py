@@ -9,6 +9,10 @@ and code never branches on which axes exist. Derived groups are flattened views 
   ranks fold in here because they run the same weights on different parts of one sequence.
 - `dp_cp`       = dp_replicate x dp_shard x cp: ranks whose losses add up to the global loss (loss
   denominator, gradient-norm reduction).
+- `cp_tp`       = cp x tp: ranks that must receive the same batch (they split one sequence).
+
+USP splits the cp axis once more into a ring part (outer) and a Ulysses part (inner); see
+`usp_axes`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshkit._compat import flatten_mesh, submesh
+from meshkit._compat import flatten_mesh, split_axis, submesh
 from meshkit.plan import Plan, PlanError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -28,6 +32,7 @@ DERIVED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "cp_tp": ("cp", "tp"),
 }
 
 
@@ -111,3 +116,9 @@ def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
 def axis_size(mesh: DeviceMesh, name: str) -> int:
     """Size of a named axis, base or derived."""
     return submesh(mesh, name).size()
+
+
+def usp_axes(mesh: DeviceMesh, ulysses: int) -> tuple:
+    """(Ulysses group, ring group) of 2D context parallelism: cp rank = ring_rank * ulysses + ulysses_rank."""
+    cp = mesh["cp"].size()
+    return split_axis(mesh, "cp", (cp // ulysses, ulysses), ("cp_ring", "cp_ulysses"))

@@ -8,8 +8,10 @@ state dicts) across every axis of the mesh.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,11 +21,22 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshkit import loss as loss_lib
 from meshkit.consensus import raise_if_any
+from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.mesh import axis
 from meshkit.models import llama
 from meshkit.plan import Plan
 from meshkit.tensor_parallel import loss_context
+
+
+class LocalBatch(NamedTuple):
+    """What this rank feeds its stage: its context shard of ids, shifted targets, positions, documents."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor | None
+    valid_tokens: int
 
 
 class ParallelModel:
@@ -38,6 +51,8 @@ class ParallelModel:
         self.device = device
         self.check_inputs = True
         self._dp = axis(mesh, "dp")
+        self._dp_cp = axis(mesh, "dp_cp")
+        self._cp = axis(mesh, "cp")
         self._vocab = model.config.vocab_size
 
     # ---------------------------------------------------------------- data
@@ -101,16 +116,14 @@ class ParallelModel:
         The returned loss (detached, identical on every rank) is the single-device loss of the global
         batch: token losses summed over all data ranks divided by `loss_denominator`, which defaults
         to this call's global valid-token count. Labels are unshifted (HF convention, -100 ignored).
+        `position_ids` that restart at 0 mark packed documents (block-diagonal causal attention).
         """
-        input_ids, labels, position_ids = self._prepare(input_ids, labels, position_ids)
-        shifted = loss_lib.shift_labels(labels)
-        if loss_denominator is None:
-            loss_denominator = loss_lib.global_valid_tokens(shifted, self._dp.get_group())
-        denominator = float(max(loss_denominator, 1))
+        batch = self._prepare(input_ids, labels, position_ids)
+        denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
         (stage,) = self.model_parts
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            logits = stage(input_ids, position_ids)
-            loss_sum = loss_lib.summed_cross_entropy(logits, shifted)
+            logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
+            loss_sum = loss_lib.summed_cross_entropy(logits, batch.targets)
             (loss_sum / denominator).backward()
         return self._global_loss(loss_sum, denominator)
 
@@ -118,36 +131,49 @@ class ParallelModel:
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The global-batch loss without touching gradients (eval mode is the caller's choice)."""
-        input_ids, labels, position_ids = self._prepare(input_ids, labels, position_ids)
-        shifted = loss_lib.shift_labels(labels)
-        denominator = float(max(loss_lib.global_valid_tokens(shifted, self._dp.get_group()), 1))
+        batch = self._prepare(input_ids, labels, position_ids)
         (stage,) = self.model_parts
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            loss_sum = loss_lib.summed_cross_entropy(stage(input_ids, position_ids), shifted)
-        return self._global_loss(loss_sum, denominator)
+            logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
+            loss_sum = loss_lib.summed_cross_entropy(logits, batch.targets)
+        return self._global_loss(loss_sum, float(max(batch.valid_tokens, 1)))
 
     def _global_loss(self, loss_sum: torch.Tensor, denominator: float) -> torch.Tensor:
         total = loss_sum.detach()
         if isinstance(total, DTensor):
             total = total.full_tensor()
         total = total.float().clone()
-        if self.dp_size > 1:
-            dist.all_reduce(total, group=self._dp.get_group())
+        if self._dp_cp.size() > 1:
+            dist.all_reduce(total, group=self._dp_cp.get_group())
         return total / denominator
 
-    def _prepare(self, input_ids, labels, position_ids):
+    def _prepare(self, input_ids, labels, position_ids) -> LocalBatch:
+        """Check, shift once on the full sequence, count globally, then cut this rank's context shard."""
         if self.check_inputs:
             problem = self._input_problem(input_ids, labels, position_ids)
             # Every rank joins the same collectives whatever it found locally, or the peers hang.
-            if self.plan.tp > 1:
-                disagreement = self._tp_agreement_problem(input_ids if problem is None else None)
+            if self.plan.tp * self.plan.cp > 1:
+                disagreement = self._peer_agreement_problem(input_ids if problem is None else None)
                 problem = problem or disagreement
             raise_if_any(problem, device=self.device)
         input_ids = input_ids.to(self.device)
-        labels = labels.to(self.device)
+        targets = loss_lib.shift_labels(labels.to(self.device))
+        valid = loss_lib.global_valid_tokens(targets, self._dp.get_group())
+        batch, seq = input_ids.shape
+        doc_ids = None
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=self.device).unsqueeze(0)
-        return input_ids, labels, position_ids.to(self.device)
+            position_ids = torch.arange(seq, device=self.device).unsqueeze(0)
+        else:
+            position_ids = position_ids.to(self.device).expand(batch, seq)
+            docs = cp_sharding.document_ids(position_ids)
+            doc_ids = docs if bool(docs.max() > 0) else None
+        if self.plan.cp > 1:
+            cut = functools.partial(cp_sharding.shard, layout=self.plan.cp_layout, cp=self.plan.cp,
+                                    rank=self._cp.get_local_rank(), dim=1, ulysses=self.plan.ulysses_degree)
+            input_ids, targets = cut(input_ids), cut(targets)
+            position_ids = cut(position_ids.expand(batch, seq)) if doc_ids is not None else cut(position_ids)
+            doc_ids = cut(doc_ids) if doc_ids is not None else None
+        return LocalBatch(input_ids, targets, position_ids, doc_ids, valid)
 
     def _input_problem(self, input_ids, labels, position_ids) -> str | None:
         if not isinstance(input_ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
@@ -159,9 +185,9 @@ class ParallelModel:
         batch, seq = input_ids.shape
         if batch < 1 or seq < 2:
             return f"input_ids {tuple(input_ids.shape)}: need a batch of at least one sequence of at least 2 tokens"
-        if self.plan.tp > 1 and self.plan.sequence_parallel and seq % self.plan.tp:
-            return (f"sequence length {seq} is not a multiple of tp={self.plan.tp}, which sequence parallelism "
-                    f"splits it over; fix: pad or cut to a multiple of {self.plan.tp} or set sequence_parallel=false")
+        seq_problem = self.plan.seq_len_problem(seq)
+        if seq_problem:
+            return f"sequence length {seq}: {seq_problem}"
         targets = labels.masked_fill(labels == loss_lib.IGNORE_INDEX, 0)
         lo, hi, t_lo, t_hi = torch.stack([input_ids.min(), input_ids.max(), targets.min(), targets.max()]).tolist()
         if lo < 0 or hi >= self._vocab:
@@ -175,12 +201,12 @@ class ParallelModel:
         problems = llama.check_config(self.model.config, seq)
         return problems[0] if problems else None
 
-    def _tp_agreement_problem(self, input_ids: torch.Tensor | None) -> str | None:
-        """TP peers compute one model on one batch; different batches would silently mix. Compare cheaply.
+    def _peer_agreement_problem(self, input_ids: torch.Tensor | None) -> str | None:
+        """TP and CP peers split one batch; different batches would silently mix. Compare cheaply.
 
         A rank whose input is already known bad (None) still joins, with a signature that disagrees.
         """
-        tp = axis(self.mesh, "tp")
+        peers = axis(self.mesh, "cp_tp")
         if input_ids is None:
             signature = torch.full((3,), -1, dtype=torch.int64, device=self.device)
         else:
@@ -190,12 +216,12 @@ class ParallelModel:
                                      torch.tensor(ids.shape[1], device=self.device),
                                      (ids * weights).sum() % 1_000_000_007])
         both = torch.cat([signature, -signature])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.get_group())
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=peers.get_group())
         smallest = -both[3:]
         if input_ids is None or bool((smallest == -1).all()) or torch.equal(both[:3], smallest):
             return None  # agreement, or a peer already failed and will report its own reason
-        return ("tensor-parallel peers received different batches (shape or content); ranks with the same "
-                "pm.dp_rank must load identical input_ids and labels")
+        return ("tensor/context-parallel peers received different batches (shape or content); ranks with the "
+                "same pm.dp_rank must load identical input_ids and labels")
 
     # ------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`parallelize`: apply a Plan to an unmodified HF model, in the one order that composes.
 
-Order: validate (every rank, before any collective) -> mesh -> TP/SP -> activation checkpointing ->
-torch.compile per block -> FSDP2 per unit (embedding, each block, [norm, lm_head], root). TP comes
+Order: validate (every rank, before any collective) -> mesh -> TP/SP -> CP attention -> activation
+checkpointing -> torch.compile per block -> FSDP2 per unit (embedding, each block, [norm, lm_head],
+root) over dp_shard x cp. TP comes
 first because FSDP must shard the DTensors TP produced (2D); AC wraps the block FSDP will wrap, so
 FSDP's all-gather hooks stay outside the recomputed region; compile sees a block with its TP
 collectives and checkpoint boundaries but not FSDP's hooks.
@@ -16,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
 from meshkit.activation_checkpoint import apply_activation_checkpointing
+from meshkit.context_parallel import hf as cp_hf
 from meshkit.models import llama
 from meshkit.parallel_model import ParallelModel
 from meshkit.plan import Plan, PlanError
@@ -45,8 +47,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     device = _mesh_device(mesh)
     if not _on_meta(model) and device.type != "cpu":
         model.to(device)
-    llama.use_causal_sdpa(model)
+    llama.use_attention(model, cp_hf.register())
     parts = llama.parts(model)
+    if plan.cp > 1:
+        split = _context_parallel_attention(plan, mesh)
+        for attention in llama.attention_modules(parts):
+            attention.meshkit_context_parallel = split
 
     if plan.tp > 1:
         apply_tensor_parallel(
@@ -77,6 +83,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
             reshard_after_forward=reshard,
         )
     return ParallelModel(model, plan, mesh, [stage], device)
+
+
+def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> cp_hf.ContextParallelAttention:
+    if plan.cp_attention == "usp":
+        ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
+        return cp_hf.ContextParallelAttention("usp", plan.cp_layout, ulysses_group=ulysses_group,
+                                              ring_group=ring_group)
+    return cp_hf.ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"])
 
 
 def _check_mesh(mesh: DeviceMesh, plan: Plan) -> None:

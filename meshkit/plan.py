@@ -24,12 +24,12 @@ else:  # pragma: no cover
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
+CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Axes this version implements above degree 1; the others are refused by `validate` with the reason.
 _NOT_YET = {
     "pp": "pipeline parallelism is not implemented yet (tracked as the pipeline-parallel issue)",
-    "cp": "context parallelism is not implemented yet (tracked as the context-parallel issue)",
     "ep": "expert parallelism is not implemented yet (tracked as the expert-parallel issue)",
 }
 
@@ -59,6 +59,8 @@ class Plan:
     reduce_dtype: str = "float32"
     reshard_after_forward: bool | None = None
     compile: bool = False
+    cp_attention: str = "zigzag"
+    cp_ulysses: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +75,10 @@ class Plan:
             problems.append(
                 f"activation_checkpointing={self.activation_checkpointing!r}: must be one of {AC_MODES}"
             )
+        if self.cp_attention not in CP_ATTENTION:
+            problems.append(f"cp_attention={self.cp_attention!r}: must be one of {CP_ATTENTION}")
+        if not isinstance(self.cp_ulysses, int) or isinstance(self.cp_ulysses, bool) or self.cp_ulysses < 1:
+            problems.append(f"cp_ulysses={self.cp_ulysses!r}: must be a positive int")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {DTYPES}")
@@ -131,6 +137,7 @@ class Plan:
         for axis, why in _NOT_YET.items():
             if getattr(plan, axis) > 1:
                 problems.append(f"{axis}={getattr(plan, axis)}: {why}; fix: set {axis}=1")
+        problems += _check_cp(plan)
         if plan.param_dtype == "float32" and plan.reduce_dtype != "float32":
             problems.append(
                 f"reduce_dtype={plan.reduce_dtype!r} with param_dtype='float32': reducing in lower precision "
@@ -141,15 +148,47 @@ class Plan:
         if seq_len is not None:
             if not isinstance(seq_len, int) or seq_len < 2:
                 problems.append(f"seq_len={seq_len!r}: need at least 2 tokens to predict one")
-            elif plan.tp > 1 and plan.sequence_parallel and seq_len % plan.tp:
-                need = plan.tp
-                problems.append(
-                    f"seq_len={seq_len}: sequence parallelism splits the sequence over tp={plan.tp}, so it must "
-                    f"be a multiple of {need}; fix: pad or cut sequences to {math.ceil(seq_len / need) * need} "
-                    f"tokens, or set sequence_parallel=false"
-                )
+            else:
+                problem = plan.seq_len_problem(seq_len)
+                if problem:
+                    problems.append(f"seq_len={seq_len}: {problem}")
         _raise(problems)
         return plan
+
+    @property
+    def cp_layout(self) -> str:
+        """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
+        return "zigzag" if self.cp_attention in ("zigzag", "usp") else "contiguous"
+
+    @property
+    def ulysses_degree(self) -> int:
+        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP)."""
+        if self.cp_attention == "ulysses":
+            return self.cp
+        return self.cp_ulysses if self.cp_attention == "usp" else 1
+
+    def seq_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this: cp's layout times the SP split of each cp shard."""
+        from meshkit.context_parallel.sharding import required_multiple
+
+        cp_multiple = required_multiple(self.cp_layout, self.cp, ulysses=self.ulysses_degree) if self.cp > 1 else 1
+        sp = self.tp if self.tp > 1 and self.sequence_parallel else 1
+        return math.lcm(cp_multiple, self.cp * sp)
+
+    def seq_len_problem(self, seq_len: int) -> str | None:
+        """Why this plan cannot split `seq_len` tokens, with the fix, or None."""
+        need = self.seq_multiple()
+        if seq_len % need == 0:
+            return None
+        why = []
+        if self.cp > 1:
+            why.append(f"cp={self.cp} with cp_attention={self.cp_attention!r} ({self.cp_layout} layout)")
+        if self.tp > 1 and self.sequence_parallel:
+            why.append(f"sequence parallelism over tp={self.tp}")
+        verb = "needs" if len(why) == 1 else "need"
+        return (f"{' and '.join(why)} {verb} a multiple of {need} tokens; fix: pad or cut sequences to "
+                f"{math.ceil(seq_len / need) * need} tokens" + (", or set sequence_parallel=false"
+                                                                   if self.cp == 1 else ""))
 
     # ------------------------------------------------------------ load / dump
     @classmethod
@@ -238,6 +277,24 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
     return value
 
 
+def _check_cp(plan: Plan) -> list[str]:
+    problems = []
+    if plan.cp_attention == "usp":
+        if plan.cp > 1 and (plan.cp_ulysses < 2 or plan.cp_ulysses >= plan.cp or plan.cp % plan.cp_ulysses):
+            divisors = [d for d in range(2, plan.cp) if plan.cp % d == 0]
+            problems.append(
+                f"cp_ulysses={plan.cp_ulysses}: USP runs Ulysses over cp_ulysses ranks and a ring over "
+                f"cp/cp_ulysses, so cp_ulysses must be a proper divisor of cp={plan.cp} above 1; fix: use one of "
+                f"{divisors or 'none (use cp_attention=ulysses or zigzag)'}"
+            )
+    elif plan.cp_ulysses != 1:
+        problems.append(
+            f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' splits cp into Ulysses x ring; fix: set "
+            f"cp_ulysses=1 or cp_attention='usp'"
+        )
+    return problems
+
+
 def _check_model(plan: Plan, config: Any) -> list[str]:
     problems = []
     need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -262,6 +319,13 @@ def _check_model(plan: Plan, config: Any) -> list[str]:
                 f"tp={tp}: the vocab-parallel embedding and LM head split vocab_size={config.vocab_size}, and {tp} does "
                 f"not divide it; fix: pad the vocabulary to {math.ceil(config.vocab_size / tp) * tp}"
             )
+    degree = plan.ulysses_degree
+    if plan.cp > 1 and degree > 1 and (heads // tp) % degree:
+        problems.append(
+            f"cp_attention={plan.cp_attention!r}: Ulysses spreads the {heads // tp} query heads each tp rank holds "
+            f"over {degree} ranks, and {degree} does not divide them; fix: use cp_attention='zigzag' or 'ring', or "
+            f"a Ulysses degree that divides {heads // tp}"
+        )
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         problems.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshkit.context_parallel.hf import DOC_IDS_KWARG
 from meshkit.models import llama
 
 
@@ -19,7 +20,8 @@ class CausalLMStage(nn.Module):
 
     Input: token ids [B, S] on the first stage, hidden states otherwise. Output: logits on the last
     stage, hidden states otherwise. `position_ids` are the global positions of the tokens this rank
-    holds, so rotary embeddings stay correct when the sequence is sharded.
+    holds, so rotary embeddings stay correct when the sequence is sharded; `doc_ids` mark the
+    documents of packed sequences (block-diagonal causal attention), None for one document per row.
     """
 
     def __init__(
@@ -37,11 +39,12 @@ class CausalLMStage(nn.Module):
         self.lm_head = lm_head
         self.rotary = rotary
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed(inputs) if self.embed is not None else inputs
         position_embeddings = self.rotary(hidden, position_ids)
+        extra = {DOC_IDS_KWARG: doc_ids} if doc_ids is not None else {}
         for block in self.layers.values():
-            hidden = llama.run_block(block, hidden, position_embeddings, position_ids)
+            hidden = llama.run_block(block, hidden, position_embeddings, position_ids, **extra)
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.lm_head is not None:

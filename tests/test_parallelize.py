@@ -14,26 +14,13 @@ import dataclasses
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tests_support import assert_matches_reference
 
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
-
-LOSS_TOL = 1e-5
-GRAD_TOL = 2e-6      # absolute, on gradients of order 1e-1
-PARAM_TOL = 2e-5     # after two AdamW steps at lr=1e-3 (Adam amplifies noise on near-zero gradients)
 
 
 def _compare_on_rank(plan: str, model: ModelSpec, batch: BatchSpec, meta_init: bool = False):
     return dataclasses.asdict(compare_training(plan, model, batch, meta_init=meta_init))
-
-
-def _assert_close(results: list[dict], context: str) -> None:
-    for rank, r in enumerate(results):
-        where = f"{context}, rank {rank}"
-        assert not r["missing_grads"], f"{where}: parameters without gradients: {r['missing_grads']}"
-        assert max(r["loss"]) <= LOSS_TOL, f"{where}: loss differs by {r['loss']} (reference {r['ref_loss']})"
-        assert r["grad"] <= GRAD_TOL, f"{where}: gradient differs by {r['grad']:.3g} (scale {r['grad_scale']:.3g})"
-        assert r["grad_norm"] <= 1e-5, f"{where}: clipped grad norm differs by {r['grad_norm']:.3g}"
-        assert r["param"] <= PARAM_TOL, f"{where}: parameters differ by {r['param']:.3g} after two steps"
 
 
 @st.composite
@@ -71,7 +58,7 @@ def plans_and_models(draw):
 def test_random_plans_match_single_device(dist, case):
     world, plan, model, batch = case
     results = dist(world).run(_compare_on_rank, plan, model, batch)
-    _assert_close(results, f"{plan} on {model} with {batch}")
+    assert_matches_reference(results, f"{plan} on {model} with {batch}")
 
 
 @pytest.mark.parametrize(
@@ -87,17 +74,17 @@ def test_eight_rank_plans(dist, plan):
     model = ModelSpec(heads=8, kv_heads=8, head_dim=4, intermediate=32, vocab=64)
     batch = BatchSpec(batch=8, seq=16)
     results = dist(8).run(_compare_on_rank, plan, model, batch)
-    _assert_close(results, plan)
+    assert_matches_reference(results, plan)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral"])
 def test_other_llama_family_models(dist, kind):
     model = ModelSpec(kind=kind, heads=4, kv_heads=2, vocab=64)
     results = dist(4).run(_compare_on_rank, "tp=2,dp_shard=2", model, BatchSpec(batch=4, seq=8))
-    _assert_close(results, kind)
+    assert_matches_reference(results, kind)
 
 
 def test_meta_device_model_loads_its_shards(dist):
     model = ModelSpec(kind="qwen3", tied=True)
     results = dist(4).run(_compare_on_rank, "tp=2,dp_shard=2", model, BatchSpec(batch=4, seq=8), meta_init=True)
-    _assert_close(results, "meta init")
+    assert_matches_reference(results, "meta init")

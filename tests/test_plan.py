@@ -73,7 +73,7 @@ def test_sequence_parallel_needs_divisible_seq_len():
 
 
 def test_unimplemented_axes_are_refused_with_reason():
-    for axis in ("pp", "cp", "ep"):
+    for axis in ("pp", "ep"):
         with pytest.raises(ValueError, match=f"{axis}=2: .*not implemented"):
             Plan(**{axis: 2, "dp_shard": 2 if axis == "ep" else 1}).validate(world_size=2 if axis == "ep" else 2)
 

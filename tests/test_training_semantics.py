@@ -27,12 +27,12 @@ def _accumulate(plan: str, with_denominator: bool) -> tuple[float, float]:
     if with_denominator:
         ref(input_ids=ids, labels=labels).loss.backward()
     else:  # each call normalised on its own: the sum of the three per-call means
-        for i, l in batches:
-            ref(input_ids=i, labels=l).loss.backward()
+        for i, lab in batches:
+            ref(input_ids=i, labels=lab).loss.backward()
     per = 4 // pm.dp_size
     mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-    denominator = sum(pm.count_valid_tokens(l[mine]) for _, l in batches) if with_denominator else None
-    losses = [pm.forward_backward(i[mine], l[mine], loss_denominator=denominator) for i, l in batches]
+    denominator = sum(pm.count_valid_tokens(lab[mine]) for _, lab in batches) if with_denominator else None
+    losses = [pm.forward_backward(i[mine], lab[mine], loss_denominator=denominator) for i, lab in batches]
     ref_grads = dict(ref.named_parameters())
     err = max((g - ref_grads[n].grad).abs().max().item() for n, g in _full_grads(pm).items())
     expected = ref(input_ids=ids, labels=labels).loss.item() if with_denominator else None

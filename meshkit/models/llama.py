@@ -115,22 +115,27 @@ def check_config(config, seq_len: int | None) -> list[str]:
     return problems
 
 
-def use_causal_sdpa(model: nn.Module) -> None:
-    """Route attention through SDPA with no mask tensor, so every block takes the `is_causal` path.
+def use_attention(model: nn.Module, implementation: str) -> None:
+    """Route every attention layer through `implementation` (a transformers AttentionInterface name).
 
-    meshkit drives the blocks itself with `attention_mask=None`; under HF's eager attention that would
-    mean *no* causal mask at all, so the implementation is pinned here.
+    meshkit drives the blocks itself with `attention_mask=None`; HF's eager attention would then
+    apply no causal mask at all, so the implementation is always pinned to meshkit's causal one.
     """
-    model.config._attn_implementation = "sdpa"
     for module in model.modules():
         cfg = getattr(module, "config", None)
-        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = "sdpa"
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = implementation
 
 
-def run_block(block: nn.Module, hidden, position_embeddings, position_ids):
-    """One decoder block on the residual stream; HF blocks return the new hidden states."""
-    out = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids)
+def attention_modules(parts: CausalLMParts) -> list[nn.Module]:
+    """The attention module of every block (what transformers hands to the attention function)."""
+    return [block.self_attn for block in parts.blocks]
+
+
+def run_block(block: nn.Module, hidden, position_embeddings, position_ids, **attention_kwargs):
+    """One decoder block on the residual stream; extra keywords reach the attention function."""
+    out = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
+                **attention_kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 

@@ -65,6 +65,7 @@ class BatchSpec:
     seq: int = 8
     ignore: float = 0.2
     seed: int = 1
+    documents: int = 1  # > 1: packed rows, position ids restarting at random document boundaries
 
     def make(self, vocab: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1000 + step)
@@ -74,6 +75,18 @@ class BatchSpec:
         # HF's mean over zero targets is NaN; keep one target so the reference is defined.
         labels[0, 1] = ids[0, 1]
         return ids, labels
+
+    def positions(self, step: int = 0) -> torch.Tensor | None:
+        """Packed-sequence position ids [B, S] (None for one document per row)."""
+        if self.documents <= 1:
+            return None
+        gen = torch.Generator().manual_seed(self.seed * 7919 + step)
+        rows = []
+        for _ in range(self.batch):
+            cuts = torch.randperm(self.seq - 1, generator=gen)[: self.documents - 1].add(1).sort().values.tolist()
+            bounds = [0, *cuts, self.seq]
+            rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+        return torch.stack(rows)
 
 
 @dataclass
@@ -111,11 +124,13 @@ def compare_training(plan: meshkit.Plan | str, model: ModelSpec, batch: BatchSpe
     ref_params = dict(ref.named_parameters())
     for step in range(steps):
         ids, labels = batch.make(model.vocab, step)
-        ref_loss = ref(input_ids=ids, labels=labels).loss
+        pos = batch.positions(step)
+        # use_cache=False: with a cache HF skips the packed-sequence (document) masks.
+        ref_loss = ref(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
         ref_loss.backward()
         per_rank = batch.batch // pm.dp_size
         mine = slice(pm.dp_rank * per_rank, (pm.dp_rank + 1) * per_rank)
-        loss = pm.forward_backward(ids[mine], labels[mine])
+        loss = pm.forward_backward(ids[mine], labels[mine], position_ids=None if pos is None else pos[mine])
         out.loss.append(abs(loss.item() - ref_loss.item()))
         out.ref_loss.append(ref_loss.item())
         if step == 0:

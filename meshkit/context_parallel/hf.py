@@ -1,0 +1,71 @@
+"""meshkit's attention as a transformers attention implementation: no monkey-patching of HF code.
+
+HF attention modules compute q/k/v, apply rotary embeddings and then call whatever function
+`config._attn_implementation` names in transformers' `AttentionInterface`. meshkit registers one
+function there. Each attention module carries a `ContextParallelAttention` saying how its sequence
+is split (ring, zig-zag ring, Ulysses, USP, or not at all); the packed-sequence document ids of the
+local shard arrive as the `meshkit_doc_ids` keyword, which HF passes through blocks untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from meshkit.context_parallel.kernels import attention_block
+from meshkit.context_parallel.ring import ring_attention
+from meshkit.context_parallel.ulysses import ulysses_attention
+from meshkit.context_parallel.usp import usp_attention
+
+ATTENTION_NAME = "meshkit"
+DOC_IDS_KWARG = "meshkit_doc_ids"
+
+
+@dataclass
+class ContextParallelAttention:
+    """How one attention layer's sequence is split; `kind` None means not split (cp = 1)."""
+
+    kind: str | None = None
+    layout: str = "contiguous"
+    group: object = None
+    ulysses_group: object = None
+    ring_group: object = None
+
+    def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None) -> torch.Tensor:
+        if self.kind in ("ring", "zigzag"):
+            return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
+                                  scale=scale, doc_ids_BS=doc_ids_BS)
+        if self.kind == "ulysses":
+            return ulysses_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
+                                     doc_ids_BS=doc_ids_BS)
+        if self.kind == "usp":
+            return usp_attention(q_BHSD, k_BHSD, v_BHSD, self.ulysses_group, self.ring_group, causal=True,
+                                 layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS)
+        if doc_ids_BS is not None:
+            out, _ = attention_block(q_BHSD, k_BHSD, v_BHSD, causal_kind="causal", scale=scale,
+                                     q_doc_BS=doc_ids_BS, kv_doc_BS=doc_ids_BS)
+            return out
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale,
+                                              enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
+
+
+def meshkit_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The function transformers calls: [B, H, S, D] in, ([B, S, H, D], None) out, causal, no mask tensor."""
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} is not supported by meshkit; set attention_dropout=0.0")
+    if attention_mask is not None:
+        raise ValueError("meshkit attention takes no attention_mask; pass packed sequences as position_ids")
+    split = getattr(module, "meshkit_context_parallel", None) or ContextParallelAttention()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out_BHSD = split(query, key, value, scale, kwargs.get(DOC_IDS_KWARG))
+    return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register meshkit's attention with transformers (idempotent); return its implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, meshkit_attention)
+    return ATTENTION_NAME
