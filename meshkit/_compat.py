@@ -87,3 +87,15 @@ def split_axis(mesh: DeviceMesh, axis: str, sizes: tuple[int, int], names: tuple
     mine_inner, _ = dist.new_subgroups_by_enumeration(inner_groups)
     mine_outer, _ = dist.new_subgroups_by_enumeration(outer_groups)
     return mine_inner, mine_outer
+
+
+def dispatch_mode_base() -> type:
+    """torch's TorchDispatchMode (a private module through 2.13).
+
+    A dispatch mode sees the c10d ops that `torch.distributed.*` calls (FSDP2) and the functional
+    collectives DTensor issues, from C++ as well as Python, which no public hook does; meshkit's
+    communication counter and activation-memory measurement are built on it.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -8,6 +8,8 @@ meshkit's loss already divides by the global count of valid tokens.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +39,10 @@ def apply_fsdp(
     The last unit is never resharded after forward: backward needs it first, so resharding would
     only add an all-gather.
     """
+    # FSDP2 warns on every forward that a unit returned a view (TP's to_local makes one), because an
+    # in-place op on it would skip the pre-backward hook. meshkit's stages never modify unit outputs
+    # in place (HF blocks add residuals out of place), so the warning is noise, filtered by its text.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     wrapped = []
     for i, unit in enumerate(units):

@@ -26,7 +26,7 @@ from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.mesh import axis
 from meshkit.models import llama
 from meshkit.plan import Plan
-from meshkit.tensor_parallel import loss_context
+from meshkit.tensor_parallel import loss_context, reduce_partial_grads, replicated_params
 
 
 class LocalBatch(NamedTuple):
@@ -43,7 +43,7 @@ class ParallelModel:
     """A model sharded by a Plan: `forward_backward`, `clip_grad_norm_`, state dicts, weight init."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, model_parts: list[nn.Module],
-                 device: torch.device):
+                 device: torch.device, reduce_tp_grads: bool = False):
         self.model = model
         self.plan = plan
         self.mesh = mesh
@@ -54,6 +54,7 @@ class ParallelModel:
         self._dp_cp = axis(mesh, "dp_cp")
         self._cp = axis(mesh, "cp")
         self._vocab = model.config.vocab_size
+        self._reduce_tp_grads = reduce_tp_grads
 
     # ---------------------------------------------------------------- data
     @property
@@ -125,6 +126,8 @@ class ParallelModel:
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
             loss_sum = loss_lib.summed_cross_entropy(logits, batch.targets)
             (loss_sum / denominator).backward()
+        if self._reduce_tp_grads:
+            reduce_partial_grads(replicated_params(self.model_parts))
         return self._global_loss(loss_sum, denominator)
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ from meshkit.models import llama
 from meshkit.parallel_model import ParallelModel
 from meshkit.plan import Plan, PlanError
 from meshkit.stage import CausalLMStage
-from meshkit.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
+from meshkit.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
@@ -66,8 +66,6 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         dict(enumerate(blocks)), parts.rotary, embed=parts.embed, norm=parts.norm, lm_head=parts.lm_head
     )
     use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
-    if plan.tp > 1 and not use_fsdp:
-        reduce_partial_grads([stage])
     if use_fsdp:
         # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
         # with tying both stay in the root unit.
@@ -82,7 +80,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
             reduce_dtype=plan.reduce_dtype,
             reshard_after_forward=reshard,
         )
-    return ParallelModel(model, plan, mesh, [stage], device)
+    return ParallelModel(model, plan, mesh, [stage], device, reduce_tp_grads=plan.tp > 1 and not use_fsdp)
 
 
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> cp_hf.ContextParallelAttention:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -48,15 +47,14 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
         elif role == "seq_norm":
             styles[name] = SequenceParallel()
         elif role == "attention":
+            # The gathered input stays a Replicate DTensor: q/k/v then share ONE reduce-scatter of
+            # their input gradient in backward; local tensors would all-reduce it once per projection.
             styles[name] = PrepareModuleInput(
                 input_kwarg_layouts={"hidden_states": seq},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
             )
         elif role == "mlp":
-            styles[name] = PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
-            )
+            styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     return styles
 
 
@@ -97,19 +95,21 @@ def loss_context(tp_enabled: bool, loss_parallel_on: bool):
 
 
 
-def reduce_partial_grads(modules: list[nn.Module]) -> None:
-    """Make replicated TP weights (norms) end backward with reduced gradients when FSDP is absent.
+def replicated_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """TP weights every rank holds whole (norms): their gradients come out Partial after backward."""
+    return [p for module in modules for p in module.parameters()
+            if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)]
 
-    Their gradient comes out Partial (each rank saw different tokens or heads); FSDP reduces it as
-    part of its reduce-scatter, but without FSDP nothing would, and optimizers and norms would read
-    one rank's share.
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum the Partial gradients of replicated TP weights over tp, in place, when FSDP is absent.
+
+    Each rank saw different tokens (SP) or heads; FSDP reduces these gradients within its
+    reduce-scatter, but without FSDP nothing would, and optimizers and norms would read one rank's
+    share. Done after backward rather than in gradient hooks, which `to_empty` (meta-device
+    materialisation) would drop along with the old tensors.
     """
-
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is not None and any(p.is_partial() for p in param.grad.placements):
-            param.grad = param.grad.redistribute(placements=param.placements)
-
-    for module in modules:
-        for param in module.parameters():
-            if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
-                param.register_post_accumulate_grad_hook(hook)
+    for param in params:
+        grad = param.grad
+        if grad is not None and any(pl.is_partial() for pl in grad.placements):
+            param.grad = grad.redistribute(placements=param.placements)

@@ -84,7 +84,9 @@ def test_other_llama_family_models(dist, kind):
     assert_matches_reference(results, kind)
 
 
-def test_meta_device_model_loads_its_shards(dist):
+@pytest.mark.parametrize("plan, world", [("tp=2,dp_shard=2", 4), ("tp=2", 2), ("cp=2,dp_shard=2", 4)])
+def test_meta_device_model_loads_its_shards(dist, plan, world):
     model = ModelSpec(kind="qwen3", tied=True)
-    results = dist(4).run(_compare_on_rank, "tp=2,dp_shard=2", model, BatchSpec(batch=4, seq=8), meta_init=True)
-    assert_matches_reference(results, "meta init")
+    batch = BatchSpec(batch=world // (2 if "tp" in plan or "cp" in plan else 1), seq=8)
+    results = dist(world).run(_compare_on_rank, plan, model, batch, meta_init=True)
+    assert_matches_reference(results, f"meta init, {plan}")

@@ -169,23 +169,3 @@ def padding_row(name: str, config) -> int | None:
         pad = getattr(config, "pad_token_id", None)
         return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
     return None
-
-
-def non_embedding_params(config) -> int:
-    """Parameter count outside the embedding and LM head, for the 6N FLOPs rule."""
-    h, i = config.hidden_size, config.intermediate_size
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or h // heads
-    attn = h * heads * d * 2 + h * kv * d * 2
-    mlp = 3 * h * i
-    return config.num_hidden_layers * (attn + mlp + 2 * h) + h
-
-
-def describe(config) -> str:
-    """Short shape line for logs."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    n = non_embedding_params(config)
-    return (f"{config.model_type} L={config.num_hidden_layers} h={config.hidden_size} heads={heads}/{kv} "
-            f"ffn={config.intermediate_size} vocab={config.vocab_size} ({n / 1e6:.2f}M non-embedding params)")

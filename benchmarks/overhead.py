@@ -1,0 +1,309 @@
+"""What meshkit costs: step time with every degree 1 vs plain HF, and bytes moved vs the theoretical minimum.
+
+    python benchmarks/overhead.py                 # both parts (part b spawns 4 gloo processes itself)
+    python benchmarks/overhead.py --part time     # or --part bytes
+
+(a) With every degree 1, meshkit should be the HF model plus bookkeeping: same process, same weights,
+same inputs, the two steps interleaved so machine noise hits both alike; the ratio of median step
+times is the overhead (goal <= 1.05).
+
+(b) A tp=2 x dp_shard=2 plan on 4 processes, one training step (count tokens, forward/backward,
+clip, AdamW) counted by `meshkit.metrics.CommCounter`, which sees every collective: FSDP2's c10d
+calls and DTensor's functional collectives alike. The theory column is the minimum that plan needs
+(derivation in `theory`); a ratio above 1 is traffic meshkit could avoid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+SMALL = 64  # all-reduces at or under this many bytes are latency-bound scalars, reported apart
+
+
+def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, seq: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                       max_position_embeddings=max(seq, 128), use_cache=False, tie_word_embeddings=False,
+                       attn_implementation="sdpa")  # what meshkit pins: the same kernel on both sides
+
+
+# -------------------------------------------------------------------------------- (a) step time
+
+
+def time_overhead(args: argparse.Namespace) -> dict[str, float]:
+    """Interleaved repetitions of both steps in one process; returns median seconds per variant."""
+    from transformers import LlamaForCausalLM
+
+    import meshkit
+
+    config = llama_config(args.hidden, args.layers, args.heads, args.kv_heads, args.inter, args.vocab, args.seq)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config)
+    pm = meshkit.parallelize(copy.deepcopy(hf), meshkit.Plan())
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
+
+    def hf_step() -> float:
+        loss = hf(input_ids=ids, labels=ids).loss
+        loss.backward()
+        hf.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def mk_step() -> float:
+        loss = pm.forward_backward(ids, ids)
+        for p in pm.parameters():
+            p.grad = None
+        return float(loss)
+
+    variants = {"plain HF": hf_step, "meshkit (all degrees 1)": mk_step}
+    first = {name: fn() for name, fn in variants.items()}
+    gap = abs(first["plain HF"] - first["meshkit (all degrees 1)"])
+    if gap > 1e-4:
+        raise SystemExit(f"losses differ by {gap:.2e}: the two sides do not compute the same thing")
+    for _ in range(args.warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = defaultdict(list)
+    order = list(variants)
+    for rep in range(args.reps):
+        for name in order if rep % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    base_name, mk_name = order
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    # Each rep runs both back to back, so a per-pair ratio cancels load that drifts between reps; its
+    # median is the headline, robust to a busy machine where the raw medians are not.
+    paired = statistics.median(m / b for m, b in zip(times[mk_name], times[base_name]))
+    tokens = args.batch * args.seq
+    print(f"\n(a) step time, every degree 1 vs plain HF (fp32, {torch.get_num_threads()} threads, "
+          f"{args.reps} interleaved reps, batch {args.batch} x seq {args.seq}, loss {first[base_name]:.4f} on both)")
+    print(f"{'variant':<26}{'median s':>10}{'min s':>10}{'tokens/s':>11}{'median ratio':>14}{'min ratio':>11}")
+    for name in order:
+        med, low = medians[name], min(times[name])
+        print(f"{name:<26}{med:>10.4f}{low:>10.4f}{tokens / med:>11,.0f}{med / medians[base_name]:>14.3f}"
+              f"{low / min(times[base_name]):>11.3f}")
+    print(f"overhead ratio (median of paired ratios) {paired:.3f} (goal <= 1.05): "
+          f"{'OK' if paired <= 1.05 else 'ABOVE GOAL'}")
+    return {"ratio": paired, **medians}
+
+
+# ----------------------------------------------------------------------------- (b) bytes moved
+
+
+def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str], list[tuple[str, float]]]:
+    """Minimum bytes per rank for one step of `plan` (one micro-batch of [batch, seq]), by (kind, axis).
+
+    Unit: the collective's full buffer (all-gather output, reduce-scatter input, all-reduce tensor),
+    as CommCounter counts. Terms, for a Llama of L blocks, hidden h, vocab V, t = tp:
+    - TP with SP: each block all-gathers its attention and MLP inputs and reduce-scatters the o/down
+      outputs (2 AG + 2 RS of b*s*h forward, the conjugates backward); the embedding adds one RS
+      forward / AG backward, the LM head one AG forward / RS backward: (4L + 2) AG and RS of b*s*h.
+      Without SP the same positions are all-reduces: (4L + 2) AR of b*s*h.
+    - vocab-parallel loss: all-reduces of max, sum-exp and target logit per token (3 x b*s fp32);
+      without it the logits are all-gathered (b*s*V).
+    - SP norms: their weights are replicated over tp but see 1/t of the tokens, so each of the
+      2L + 1 norm-weight gradients is all-reduced over tp (h values each).
+    - FSDP over dp_shard*cp: each unit's (tp-local) parameters all-gathered forward, again backward
+      for units resharded after forward (all but the last unit, and the root, which backward needs
+      first), and the gradients reduce-scattered; HSDP adds an all-reduce of the gradient shard.
+    - scalars: loss and valid-token count over dp, one gradient-norm reduction.
+    """
+    from meshkit.data_parallel import DTYPES
+
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    t = plan.tp
+    act = DTYPES[plan.param_dtype].itemsize
+    pbytes, rbytes = act, DTYPES[plan.reduce_dtype].itemsize
+    bsh = batch * seq * h * act
+    out: dict[tuple[str, str], list[tuple[str, float]]] = defaultdict(list)
+    if t > 1:
+        n = 4 * layers + 2
+        if plan.sequence_parallel:
+            out[("all_gather", "tp")].append((f"SP: {n} x b*s*h activations", n * bsh))
+            out[("reduce_scatter", "tp")].append((f"SP: {n} x b*s*h activations", n * bsh))
+            out[("all_reduce", "tp")].append((f"SP norm-weight grads: {2 * layers + 1} x h", (2 * layers + 1) * h * act))
+        else:
+            out[("all_reduce", "tp")].append((f"TP: {n} x b*s*h activations", n * bsh))
+        if plan.loss_parallel:
+            out[("all_reduce", "tp")].append(("vocab-parallel loss: 3 x b*s fp32", 3 * batch * seq * 4))
+        else:
+            out[("all_gather", "tp")].append(("logits: b*s*V", batch * seq * vocab * act))
+    fsdp = plan.dp_shard * plan.cp
+    if fsdp > 1 or plan.dp_replicate > 1:
+        sharded_block = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * inter
+        embed = vocab * h / t
+        block = sharded_block / t + 2 * h
+        last = h + vocab * h / t
+        total = embed + layers * block + last
+        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        regathered = (embed + layers * block) if reshard else 0.0
+        if fsdp > 1:
+            out[("all_gather", "dp_shard_cp")].append(("FSDP params forward", total * pbytes))
+            if regathered:
+                out[("all_gather", "dp_shard_cp")].append(("FSDP params backward (resharded units)", regathered * pbytes))
+            out[("reduce_scatter", "dp_shard_cp")].append(("FSDP grads", total * rbytes))
+        if plan.dp_replicate > 1:
+            out[("all_reduce", "dp_replicate")].append(("HSDP grad shards", total / fsdp * rbytes))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bytes_worker(rank: int, world: int, port: int, out_path: str, spec: dict[str, Any]) -> None:
+    """One rank of part (b): parallelize, one warm-up step, one counted step; rank 0 writes the counts."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    import meshkit
+    from meshkit.metrics import CommCounter
+
+    config = llama_config(**spec["model"])
+    plan = meshkit.Plan.from_string(spec["plan"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    pm = meshkit.parallelize(model, plan)
+    pm.init_weights(0)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + pm.dp_rank)
+    ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]), generator=gen)
+
+    def step() -> None:
+        denominator = pm.count_valid_tokens(ids)
+        pm.forward_backward(ids, ids, loss_denominator=denominator)
+        pm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # lazy initialisation (FSDP, optimizer state) is not per-step traffic
+    with CommCounter(pm.mesh) as counter:
+        step()
+    if rank == 0:
+        events = [list(e) for e in counter.events]
+        with open(out_path, "w") as f:
+            json.dump({"events": events, "sizes": counter.sizes, "plan": str(pm.plan.to_dict())}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bytes_vs_theory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import meshkit
+
+    world = 4
+    spec = {
+        "model": dict(hidden=args.b_hidden, layers=args.b_layers, heads=4, kv_heads=2, inter=args.b_hidden * 3,
+                      vocab=256, seq=args.b_seq),
+        "plan": args.b_plan, "batch": args.b_batch, "seq": args.b_seq,
+    }
+    plan = meshkit.Plan.from_string(spec["plan"]).resolve(world)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "counts.json")
+        torch.multiprocessing.spawn(_bytes_worker, args=(world, _free_port(), out_path, spec), nprocs=world)
+        with open(out_path) as f:
+            counted = json.load(f)
+    measured: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    scalars = [0, 0]
+    # With cp=1 the flattened dp_shard_cp may be the dp_shard group itself; the counter then names it by
+    # the base axis. Same ranks, same traffic: report it under the FSDP axis name the theory uses.
+    alias = {"dp_shard": "dp_shard_cp"} if plan.cp == 1 else {}
+    for kind, axis, nbytes in counted["events"]:
+        axis = alias.get(axis, axis)
+        if kind == "all_reduce" and nbytes <= SMALL:
+            scalars[0] += 1
+            scalars[1] += nbytes
+            continue
+        measured[(kind, axis)][0] += 1
+        measured[(kind, axis)][1] += nbytes
+    expected = theory(llama_config(**spec["model"]), plan, args.b_batch, args.b_seq)
+    sizes = counted["sizes"]
+    rows = []
+    print(f"\n(b) bytes per rank for one training step: plan {plan.describe()} on {world} gloo processes, "
+          f"Llama h={args.b_hidden} L={args.b_layers}, batch {args.b_batch} x seq {args.b_seq} per dp rank, "
+          f"{plan.param_dtype} params / {plan.reduce_dtype} grads")
+    print(f"{'collective':<16}{'axis':<14}{'calls':>6}{'measured B':>13}{'theory B':>13}{'ratio':>7}"
+          f"{'wire B/rank':>13}  theory terms")
+    for key in sorted(set(measured) | set(expected)):
+        kind, axis = key
+        count, got = measured.get(key, [0, 0])
+        want = sum(v for _, v in expected.get(key, []))
+        n = sizes.get(axis, getattr(plan, axis, 1) if axis != "dp_shard_cp" else plan.dp_shard * plan.cp)
+        factor = {"all_reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)  # ring algorithms
+        wire = got * factor
+        ratio = got / want if want else float("inf")
+        terms = "; ".join(f"{label} {v:,.0f}" for label, v in expected.get(key, [])) or "(none expected)"
+        print(f"{kind:<16}{axis:<14}{count:>6}{got:>13,}{want:>13,.0f}{ratio:>7.2f}{wire:>13,.0f}  {terms}")
+        rows.append({"kind": kind, "axis": axis, "calls": count, "measured": got, "theory": want, "ratio": ratio,
+                     "wire": wire, "wire_theory": want * factor})
+    total_got = sum(v[1] for v in measured.values())
+    total_want = sum(v for terms in expected.values() for _, v in terms)
+    wire_got = sum(r["wire"] for r in rows)
+    wire_want = sum(r["wire_theory"] for r in rows)
+    print(f"{'total (no scalars)':<30}{'':>6}{total_got:>13,}{total_want:>13,.0f}{total_got / total_want:>7.2f}"
+          f"{wire_got:>13,.0f}  theory wire {wire_want:,.0f} B/rank (ratio {wire_got / wire_want:.2f})")
+    for r in rows:
+        if r["measured"] > 1.05 * r["theory"]:
+            print(f"  excess: {r['kind']} over {r['axis']} moves {r['measured'] - r['theory']:,.0f} B more than the "
+                  f"minimum ({r['calls']} calls)")
+    print(f"scalar all-reduces (<= {SMALL} B, latency-bound): {scalars[0]} calls, {scalars[1]} B; "
+          "minimum 3 (loss, valid-token count, gradient norm); the rest are input checks and per-mesh norm parts")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("both", "time", "bytes"), default="both")
+    group = parser.add_argument_group("(a) step time")
+    group.add_argument("--hidden", type=int, default=256)
+    group.add_argument("--layers", type=int, default=4)
+    group.add_argument("--heads", type=int, default=8)
+    group.add_argument("--kv-heads", type=int, default=4)
+    group.add_argument("--inter", type=int, default=768)
+    group.add_argument("--vocab", type=int, default=4096)
+    group.add_argument("--seq", type=int, default=256)
+    group.add_argument("--batch", type=int, default=4)
+    group.add_argument("--reps", type=int, default=15)
+    group.add_argument("--warmup", type=int, default=2)
+    group = parser.add_argument_group("(b) bytes")
+    group.add_argument("--b-plan", default="tp=2,dp_shard=2")
+    group.add_argument("--b-hidden", type=int, default=64)
+    group.add_argument("--b-layers", type=int, default=2)
+    group.add_argument("--b-seq", type=int, default=64)
+    group.add_argument("--b-batch", type=int, default=4)
+    args = parser.parse_args(argv)
+    if args.part in ("both", "time"):
+        time_overhead(args)
+    if args.part in ("both", "bytes"):
+        bytes_vs_theory(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

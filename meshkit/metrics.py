@@ -1,0 +1,423 @@
+"""What a training step achieved: model FLOPs and MFU/HFU, throughput, peak memory, bytes moved.
+
+FLOP convention (per token, one training step = forward + backward):
+
+- dense term `6 * N_nonembedding`: every parameter that takes part in a matmul costs 2 FLOPs per
+  token forward and 4 backward (input grad + weight grad). `N_nonembedding` counts the decoder
+  blocks, the final norm and the LM head; it leaves out the input embedding, which is a gather and
+  costs no FLOPs. The LM head is counted even when tied to the embedding, because its matmul is
+  real work either way. Norm weights are included (as in Kaplan et al.) although they feed no
+  matmul; they add `6 * (2L + 1) * h`, under 0.1% for real models.
+- attention term `12 * L * (n_heads * head_dim) * s`: QK^T and AV cost `4 * s * n_heads * head_dim`
+  per token per layer forward, times 3 for forward + backward. The causal mask is NOT credited:
+  we count the full square, as PaLM, Megatron-LM and torchtitan do, so MFU figures compare with
+  published ones. Kernels that skip the masked half (flash attention) do about half of this work.
+  GQA does not change the term: it shares K/V heads, not query-key products.
+
+MFU divides model FLOP/s by the device's peak. HFU also credits the FLOPs activation
+checkpointing spends recomputing. Full AC re-runs each block's forward: `2 * N_block` plus the
+attention forward `4 * L * n_heads * head_dim * s` per token, minus the block's last matmul
+(`down_proj`): torch's non-reentrant checkpoint stops recomputing once every saved tensor is back,
+and nothing saves down_proj's output (it only feeds the residual add). meshkit's selective AC saves
+matmul and attention outputs and recomputes only elementwise ops and norms, which this convention
+counts as zero, so selective HFU == MFU. tests/test_metrics.py checks all three against
+FlopCounterMode exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshkit._compat import dispatch_mode_base
+
+# ------------------------------------------------------------------------------------------ FLOPs
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs per token, split so MFU and HFU use the same numbers."""
+
+    dense: float
+    attention: float
+    recompute: float = 0.0
+
+    @property
+    def model(self) -> float:
+        """FLOPs MFU credits: the work the model needs, however it is executed."""
+        return self.dense + self.attention
+
+    @property
+    def hardware(self) -> float:
+        """FLOPs HFU credits: model FLOPs plus what activation checkpointing recomputes."""
+        return self.model + self.recompute
+
+
+def _attn_dims(config: Any) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def block_params(config: Any) -> int:
+    """Parameters of one decoder block from the config alone (no model needed, so any size works).
+
+    Exact for Llama and Mistral; for families with extra small parameters the config does not name
+    (Qwen2's always-on q/k/v biases, Qwen3's per-head q/k norms) use `count_nonembedding_params` on
+    the (meta) model: those parameters feed no matmul, so the FLOP count differs only by them.
+    """
+    h, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads, d = _attn_dims(config)
+    attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+    if getattr(config, "attention_bias", False):
+        attn += heads * d + 2 * kv_heads * d + h
+    mlp = 3 * h * inter
+    if getattr(config, "mlp_bias", False):
+        mlp += 2 * inter + h
+    return attn + mlp + 2 * h
+
+
+def nonembedding_params(config: Any) -> int:
+    """`N_nonembedding`: blocks + final norm + LM head (counted even when tied, see module doc)."""
+    return config.num_hidden_layers * block_params(config) + config.hidden_size + config.hidden_size * config.vocab_size
+
+
+def count_nonembedding_params(model: torch.nn.Module) -> int:
+    """The same count taken from a built model (meta tensors work), for configs the formula misses."""
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is yielded once
+    tied = out is embed
+    return total - embed.numel() + (out.numel() if tied else 0)
+
+
+def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "none",
+                    n_nonembedding: int | None = None) -> FlopsPerToken:
+    """Training FLOPs per token for a sequence length and AC mode (convention in the module doc)."""
+    if activation_checkpointing not in ("none", "selective", "full"):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: must be none, selective or full")
+    n = nonembedding_params(config) if n_nonembedding is None else n_nonembedding
+    heads, _, d = _attn_dims(config)
+    layers = config.num_hidden_layers
+    attn_fwd = 4 * layers * heads * d * seq_len
+    recompute = 0.0
+    if activation_checkpointing == "full":
+        last_matmul = config.intermediate_size * config.hidden_size  # down_proj, see module doc
+        recompute = 2.0 * layers * (block_params(config) - last_matmul) + attn_fwd
+    return FlopsPerToken(dense=6.0 * n, attention=3.0 * attn_fwd, recompute=recompute)
+
+
+# ------------------------------------------------------------------------------------ peak FLOP/s
+
+# Dense (no sparsity) peak per device. float32 means CUDA-core FP32: PyTorch leaves TF32 matmuls
+# off by default; pass an explicit peak when you enable TF32.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "h100": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12},  # SXM
+    "h100-pcie": {"bfloat16": 756.0e12, "float16": 756.0e12, "float32": 51.2e12},
+    "h200": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12},
+    "a100": {"bfloat16": 312.0e12, "float16": 312.0e12, "float32": 19.5e12},
+}
+
+# An ESTIMATE, not a measured or vendor figure: one x86 core with two 256-bit FMA pipes (AVX2, or
+# AVX-512 split over two cycles as on Zen 4) does 2 pipes * 8 fp32 lanes * 2 = 32 FLOP/cycle; at
+# a nominal 3 GHz that is 96 GFLOP/s. Only for a rough CPU MFU; override with a measured figure.
+CPU_PEAK_FLOPS_PER_CORE = 96e9
+
+
+def detect_device() -> str:
+    """Preset key for this process's accelerator ("cpu" when none, "" for an unknown GPU)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for key in ("h200", "a100"):
+        if key in name:
+            return key
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100"
+    return ""
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def peak_flops(device: str | None = None, dtype: str = "bfloat16", override: float | None = None) -> float | None:
+    """Peak FLOP/s of one device (one process on CPU), or None when unknown.
+
+    On CPU a "device" is a process: the host's estimated peak split evenly over the processes that
+    share it (LOCAL_WORLD_SIZE), so eight ranks on two cores each get a quarter of a core.
+    """
+    if override:
+        return float(override)
+    device = detect_device() if device is None else device.lower()
+    if device == "cpu":
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return CPU_PEAK_FLOPS_PER_CORE * _cores() / max(per_host, 1)
+    return PEAK_FLOPS.get(device, {}).get(dtype)
+
+
+def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | None) -> float | None:
+    """Fraction of peak: achieved FLOP/s of one device over its peak (pass `.model` or `.hardware`)."""
+    if not peak:
+        return None
+    return flops_per_token * tokens_per_s_per_device / peak
+
+
+def tokens_per_s_per_device(global_tokens: int, step_s: float, world_size: int) -> float:
+    """Throughput per device: every rank (tp and pp peers included) is a device the step occupied."""
+    return global_tokens / step_s / max(world_size, 1)
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def reset_peak_memory() -> None:
+    """Start a new CUDA peak window; process RSS peaks cannot be reset, so CPU keeps the run's peak."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, label): CUDA max allocated by tensors, else the process's peak resident set size.
+
+    The label travels with the number because the two are not comparable: RSS includes the Python
+    interpreter, torch's libraries and allocator caches, not only tensors.
+    """
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(), "cuda_max_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
+
+
+# --------------------------------------------------------------------------------------- logging
+
+
+def format_step_line(step: int, total_steps: int, values: Mapping[str, float | None]) -> str:
+    """One console line per step; keys with a None value (e.g. MFU on an unknown GPU) are skipped."""
+    units = {
+        "loss": "{:.4f}", "lr": "{:.2e}", "grad_norm": "{:.3f}", "tokens_per_s": "{:,.0f}",
+        "tokens_per_s_per_device": "{:,.0f}", "mfu": "{:.2%}", "hfu": "{:.2%}", "step_s": "{:.3f}s",
+    }
+    width = len(str(total_steps))
+    parts = [f"step {step:>{width}}/{total_steps}"]
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key.endswith("_gib"):
+            parts.append(f"{key[:-4]} {value:.2f} GiB")
+        else:
+            parts.append(f"{key} {units.get(key, '{:.4g}').format(value)}")
+    return " | ".join(parts)
+
+
+class TensorBoardLogger:
+    """Scalars to TensorBoard from rank 0 only; a no-op elsewhere so callers never branch on rank.
+
+    One writer per run directory: several ranks writing event files into one directory make
+    TensorBoard show interleaved, duplicated curves.
+    """
+
+    def __init__(self, log_dir: str, rank: int | None = None) -> None:
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        self.log_dir = log_dir
+        self._writer = None
+        if rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=log_dir)
+
+    def log(self, step: int, scalars: Mapping[str, float | None], prefix: str = "train/") -> None:
+        if self._writer is None:
+            return
+        for key, value in scalars.items():
+            if value is not None and math.isfinite(float(value)):
+                self._writer.add_scalar(prefix + key, float(value), step)
+
+    def text(self, tag: str, value: str) -> None:
+        if self._writer is not None:
+            self._writer.add_text(tag, value)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> TensorBoardLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------- communication
+
+
+_dispatch_mode_base = dispatch_mode_base  # kept for callers written before it moved to _compat
+
+
+# op name -> (kind, index of the argument whose size is the collective's full buffer)
+_C10D_OPS = {
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+}
+_FUNCTIONAL_OPS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def _group_of(args: tuple) -> tuple[str | None, int | None]:
+    """(group name, group size) from a c10d op's ProcessGroup argument."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                pg = dist.ProcessGroup.unbox(arg)
+            except (RuntimeError, TypeError):
+                continue  # a ReduceOp, not a group
+            return pg.group_name, pg.size()
+    return None, None
+
+
+@dataclass
+class CommStat:
+    count: int = 0
+    bytes: int = 0  # sum of full buffer sizes: gathered output, scattered input, reduced tensor
+
+
+class CommCounter:
+    """Counts collectives and their bytes on this rank while active (`with CommCounter(mesh) as c:`).
+
+    Bytes are the collective's full logical buffer (all-gather output, reduce-scatter input,
+    all-reduce tensor), the unit the Playbook's volume formulas use; a ring moves (n-1)/n of it per
+    rank for all-gather/reduce-scatter and 2(n-1)/n for all-reduce (see `wire_bytes`). Groups are
+    named by the mesh axis they belong to when a mesh is given (derived axes included).
+
+    Only collectives issued on this rank while the block runs are seen. On CPU backward runs on the
+    calling thread, so its collectives count (tests/test_metrics.py); on CUDA, autograd's device
+    threads should inherit the mode with the rest of the thread-local state (not yet checked on GPU).
+    """
+
+    def __init__(self, mesh: Any = None, axes: tuple[str, ...] = ()) -> None:
+        self.stats: dict[tuple[str, str], CommStat] = defaultdict(CommStat)
+        self.sizes: dict[str, int] = {}
+        self.events: list[tuple[str, str, int]] = []  # (kind, axis, bytes) in issue order
+        self._groups = _axis_groups(mesh, axes) if mesh is not None else {}
+        self._mode = _make_mode(self)
+
+    def _record(self, kind: str, group: str | None, size: int | None, nbytes: int) -> None:
+        label, known_size = self._groups.get(group or "", (f"group:{group}", None))
+        size = size or known_size
+        stat = self.stats[(kind, label)]
+        stat.count += 1
+        stat.bytes += nbytes
+        self.events.append((kind, label, nbytes))
+        if size is not None:
+            self.sizes[label] = size
+
+    def __enter__(self) -> CommCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.stats.values())
+
+    def wire_bytes(self, kind: str, axis: str) -> float:
+        """Bytes one rank sends for (kind, axis) under ring algorithms."""
+        n = self.sizes.get(axis, 1)
+        factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
+        return self.stats[(kind, axis)].bytes * factor.get(kind, 1.0)
+
+
+def _axis_groups(mesh: Any, axes: tuple[str, ...]) -> dict[str, tuple[str, int]]:
+    """group_name -> (axis label, size); base axes first, so a derived axis that reuses a base
+    axis's group (dp_shard_cp when cp=1) keeps the base name."""
+    from meshkit.mesh import axis  # slices derived (flattened) axes without torch's deprecation warning
+
+    groups: dict[str, tuple[str, int]] = {}
+    candidates = list(mesh.mesh_dim_names or ()) + list(axes or ("dp", "dp_shard_cp", "dp_cp"))
+    for name in candidates:
+        try:
+            group = axis(mesh, name).get_group()
+        except (KeyError, RuntimeError, ValueError):
+            continue
+        groups.setdefault(group.group_name, (name, group.size()))
+    if dist.is_initialized():
+        groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
+    return groups
+
+
+def _make_mode(counter: CommCounter) -> Any:
+    base = _dispatch_mode_base()
+
+    class _CommMode(base):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # Modes run before tensor subclasses; declining DTensor ops lets DTensor run first and
+            # come back here with the plain-tensor ops it lowers to, collectives included.
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            kwargs = kwargs or {}
+            name = func.__name__.split(".")[0]
+            if func.namespace == "c10d" and name in _C10D_OPS:
+                kind, idx = _C10D_OPS[name]
+                group, size = _group_of(args)
+                counter._record(kind, group, size, _nbytes(args[idx]))
+            elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL_OPS:
+                kind = _FUNCTIONAL_OPS[name]
+                group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
+                nbytes = _nbytes(args[0])
+                size = None
+                if kind == "all_gather":  # args: input(s), group_size, group_name
+                    size = int(args[1])
+                    nbytes *= size
+                counter._record(kind, group, size, nbytes)
+            return func(*args, **kwargs)
+
+    return _CommMode()
+

@@ -1,0 +1,397 @@
+"""Train a Hugging Face Llama-family model with meshkit, from a TOML preset and command-line flags.
+
+    torchrun --nproc-per-node 8 recipes/train_llama.py --config recipes/configs/debug_cpu.toml
+    torchrun --nproc-per-node 8 recipes/train_llama.py --config recipes/configs/llama3_8b.toml --steps 50 --tp 2
+
+The recipe is an ordinary training loop: everything parallel lives behind `meshkit.parallelize`, so the
+loop reads the same for one process or a 5D mesh. The model is built on the meta device and only this
+rank's shards are ever materialised. Data is synthetic by default (a Markov chain, so the loss has
+something to learn and falls visibly within a few dozen steps); every rank with the same data-parallel
+rank generates the same batches without any communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import torch
+import torch.distributed as dist
+
+import meshkit
+from meshkit import metrics
+
+# ----------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class TrainConfig:
+    """The [train] table. Sizes are per data-parallel rank; the global batch is dp * local_batch * grad_accum."""
+
+    steps: int = 40
+    seq_len: int = 64
+    local_batch: int = 4
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0  # max gradient norm; 0 disables clipping (the norm is still logged)
+    seed: int = 0
+    log_dir: str = "runs"
+    name: str = ""  # run name under log_dir; default: <config stem>-<timestamp>
+    log_every: int = 1
+    profile: bool = False  # torch.profiler trace of a few steps into <log_dir>/<name>/profile
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 picks a preset (metrics.PEAK_FLOPS)
+    threads: int = 0  # torch threads per process on CPU; 0: cores / local processes
+
+
+@dataclass
+class DataConfig:
+    """The [data] table: a synthetic Markov chain over the vocabulary.
+
+    Each token has `branching` possible successors drawn once from `chain_seed`, so the best achievable
+    loss is ln(branching) while a fresh model starts near ln(vocab_size).
+    """
+
+    branching: int = 2
+    chain_seed: int = 1234  # draws the transition table (shared by all ranks)
+
+
+@dataclass
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=dict)
+    plan: meshkit.Plan = field(default_factory=meshkit.Plan)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    source: str = ""
+
+
+def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(f"[{where}] has unknown key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**table)
+
+
+def load_config(path: str | None) -> RunConfig:
+    """Parse a preset; each table is optional, unknown keys are errors (a typo must not be ignored)."""
+    if not path:
+        return RunConfig()
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    unknown = sorted(set(data) - {"model", "plan", "train", "data"})
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {unknown}; expected [model], [plan], [train], [data]")
+    return RunConfig(
+        model=dict(data.get("model", {})),
+        plan=meshkit.Plan.from_toml(data.get("plan", {})),
+        train=_fill(TrainConfig, data.get("train", {}), "train"),
+        data=_fill(DataConfig, data.get("data", {}), "data"),
+        source=str(path),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="TOML preset with [model], [plan], [train], [data] tables")
+    parser.add_argument("--model-path", help="local HF checkpoint or config directory (overrides [model] path)")
+    parser.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one HF config field, e.g. --model-set num_hidden_layers=4 (repeatable)")
+    for cls in (TrainConfig, DataConfig):
+        group = parser.add_argument_group(f"[{cls.__name__[:-6].lower()}]")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                group.add_argument(flag, dest=f.name, default=None, type=_TYPES[str(f.type)],
+                                   help=f"(preset default {f.default!r})")
+    meshkit.Plan.add_cli_args(parser)
+    return parser
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _toml_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_cli(config: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """Flags given on the command line win over the preset; flags not given leave it alone."""
+    def overlay(obj: Any) -> Any:
+        given = {f.name: getattr(args, f.name) for f in fields(obj) if getattr(args, f.name, None) is not None}
+        return dataclasses.replace(obj, **given)
+
+    model = dict(config.model)
+    if args.model_path:
+        model["path"] = args.model_path
+    for item in args.model_set:
+        if "=" not in item:
+            raise ValueError(f"--model-set {item!r}: expected KEY=VALUE, e.g. num_hidden_layers=4")
+        key, value = item.split("=", 1)
+        model[key.strip()] = _toml_value(value.strip())
+    return RunConfig(model=model, plan=meshkit.Plan.from_cli_args(args, base=config.plan),
+                     train=overlay(config.train), data=overlay(config.data), source=config.source)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def build_model_config(table: dict[str, Any]) -> tuple[Any, Path | None, bool]:
+    """(HF config, checkpoint dir or None, load weights?) from the [model] table.
+
+    With `path`, the directory's config.json is the base and the other keys override it; weights are
+    loaded when the directory holds safetensors, unless `pretrained = false`.
+    """
+    from transformers import AutoConfig
+
+    table = dict(table)
+    path = table.pop("path", None)
+    pretrained = table.pop("pretrained", None)
+    if path:
+        directory = Path(path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"[model] path={str(directory)!r}: no config.json there; fix: point at a local HF "
+                             "checkpoint or config directory")
+        config = AutoConfig.from_pretrained(directory)
+        for key, value in table.items():
+            setattr(config, key, value)
+        has_weights = any(directory.glob("*.safetensors"))
+        if pretrained and not has_weights:
+            raise ValueError(f"[model] pretrained=true but {directory} holds no *.safetensors files")
+        return config, directory, has_weights if pretrained is None else bool(pretrained)
+    model_type = table.pop("model_type", "llama")
+    table.setdefault("use_cache", False)
+    return AutoConfig.for_model(model_type, **table), None, False
+
+
+def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole checkpoint as CPU tensors on every rank (fine for what fits a host; a sharded
+    loader belongs to meshkit's checkpoint support)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+class MarkovTokens:
+    """Deterministic synthetic batches: a function of (seed, dp_rank, step, micro-batch) only.
+
+    No communication and no state, so tp peers (same dp_rank) agree by construction, and a resumed
+    run sees the same data.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, batch: int, dp_rank: int, config: DataConfig):
+        if config.branching < 1:
+            raise ValueError(f"[data] branching={config.branching}: must be >= 1")
+        self.vocab_size, self.seq_len, self.batch, self.dp_rank = vocab_size, seq_len, batch, dp_rank
+        self.seed = config.chain_seed
+        gen = torch.Generator().manual_seed(config.chain_seed)
+        self.successors = torch.randint(0, vocab_size, (vocab_size, config.branching), generator=gen)
+
+    def batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.dp_rank) * 1_000_033 + step) * 1_009 + micro)
+        tokens = torch.empty(self.batch, self.seq_len, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab_size, (self.batch,), generator=gen)
+        choice = torch.randint(0, self.successors.shape[1], (self.batch, self.seq_len), generator=gen)
+        for t in range(1, self.seq_len):
+            tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
+        return tokens, tokens.clone()  # labels are unshifted (HF convention); meshkit shifts once
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup from lr/warmup to lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    warmup = max(cfg.warmup_steps, 0)
+    decay_steps = max(cfg.steps - warmup, 1)
+
+    def factor(step: int) -> float:  # step = optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / decay_steps, 1.0)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ------------------------------------------------------------------------------------------- run
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _set_threads(cfg: TrainConfig) -> None:
+    """Several ranks sharing a few cores thrash if each spawns a thread per core."""
+    if torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+
+
+def _run_name(run: RunConfig) -> str:
+    """One name for all ranks (rank 0's clock), so traces and TensorBoard land in one directory."""
+    name = run.train.name or f"{Path(run.source).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    return name
+
+
+def _profiler(enabled: bool, trace_dir: Path, steps: int):
+    """A few-step torch.profiler window, or None. Traces open in TensorBoard or chrome://tracing."""
+    if not enabled:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    wait = 1 if steps > 4 else 0
+    return profile(activities=activities,
+                   schedule=schedule(wait=wait, warmup=1, active=min(3, max(steps - 2, 1)), repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{_rank()}"),
+                   record_shapes=True)
+
+
+def train(run: RunConfig) -> dict[str, float]:
+    """The loop. Returns first/last loss and timing (rank-identical) for scripts and tests."""
+    cfg = run.train
+    for name in ("steps", "seq_len", "local_batch", "grad_accum", "log_every"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 1")
+    _set_threads(cfg)
+    torch.manual_seed(cfg.seed)
+    model_config, ckpt_dir, load_weights = build_model_config(run.model)
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    n_nonembedding = metrics.count_nonembedding_params(model)
+    pm = meshkit.parallelize(model, run.plan)
+    if load_weights:
+        pm.load_full_state_dict(load_safetensors_dir(ckpt_dir))
+    else:
+        pm.init_weights(cfg.seed)
+    plan, world, rank = pm.plan, dist.get_world_size(), dist.get_rank()
+
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                  weight_decay=cfg.weight_decay)
+    scheduler = lr_schedule(optimizer, cfg)
+    data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data)
+
+    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
+    peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
+    global_tokens = pm.dp_size * cfg.local_batch * cfg.grad_accum * cfg.seq_len
+    name = _run_name(run)
+    log_dir = Path(cfg.log_dir) / name
+    logger = metrics.TensorBoardLogger(str(log_dir), rank=rank)
+    logger.text("config", f"plan: {plan}\n\ntrain: {cfg}\n\ndata: {run.data}\n\nmodel: {model_config.to_json_string()}")
+    if rank == 0:
+        print(f"meshkit: plan {plan.describe()} on {world} ranks | {n_nonembedding / 1e6:.2f}M non-embedding params | "
+              f"{global_tokens:,} tokens/step | {fpt.model / 1e6:.2f} MFLOPs/token | "
+              f"peak {peak / 1e12 if peak else float('nan'):.3g} TFLOP/s/device | TensorBoard: {log_dir}", flush=True)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, disable=rank != 0, dynamic_ncols=True, desc="train")
+    prof = _profiler(cfg.profile, log_dir / "profile", cfg.steps)
+    if prof is not None:
+        prof.start()
+    losses: list[float] = []
+    times: list[float] = []
+    metrics.reset_peak_memory()
+    for step in range(1, cfg.steps + 1):
+        # Made before the clock starts: a real loader prefetches, and the step time should be the model's.
+        batches = [data.batch_at(step, micro) for micro in range(cfg.grad_accum)]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        denominator = sum(pm.count_valid_tokens(labels) for _, labels in batches)
+        # Each call returns its share of the window's loss (same denominator), so the shares add up.
+        loss = sum(pm.forward_backward(input_ids, labels, loss_denominator=denominator)
+                   for input_ids, labels in batches)
+        grad_norm = pm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        loss_value = float(loss)  # a host sync, so the timing below covers the whole step
+        step_s = time.perf_counter() - start
+        if prof is not None:
+            prof.step()
+        losses.append(loss_value)
+        times.append(step_s)
+        tps = metrics.tokens_per_s_per_device(global_tokens, step_s, world)
+        mem, mem_label = metrics.peak_memory()
+        values = {
+            "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
+            "tokens_per_s_per_device": tps, "mfu": metrics.mfu(fpt.model, tps, peak),
+            "hfu": metrics.mfu(fpt.hardware, tps, peak) if fpt.recompute else None,
+            f"{'max_alloc' if mem_label.startswith('cuda') else 'peak_rss'}_gib": mem / 2**30,
+        }
+        logger.log(step, values)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+        if rank == 0 and (step % cfg.log_every == 0 or step in (1, cfg.steps)):
+            bar.write(metrics.format_step_line(step, cfg.steps, values))
+    if prof is not None:
+        prof.stop()
+    bar.close()
+    logger.close()
+    steady = times[1:] or times
+    summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
+               "total_s": sum(times)}
+    if rank == 0:
+        drop = summary["first_loss"] - summary["last_loss"]
+        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {cfg.steps} steps "
+              f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, floor ln({run.data.branching}) = "
+              f"{math.log(run.data.branching):.4f}) | median step {summary['median_step_s']:.3f}s | "
+              f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run = apply_cli(load_config(args.config), args)
+        train(run)
+    except ValueError as err:  # meshkit's PlanError included: a user error, not a crash
+        # One write per rank, so eight ranks' messages do not interleave line by line.
+        sys.stderr.write(f"[rank {_rank()}] error: {err}\n")
+        sys.stderr.flush()
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
