@@ -99,3 +99,46 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def grouped_mm_op():
+    """`torch._grouped_mm`, or None where this torch lacks it: the only fused grouped GEMM torch ships."""
+    import torch
+
+    return getattr(torch, "_grouped_mm", None)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs on this thread: a forward now is a checkpoint recompute.
+
+    `torch._C._current_graph_task_id` is the only signal shared by reentrant, non-reentrant and
+    selective checkpointing.
+    """
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
+def is_compiled(module) -> bool:
+    """Whether `module` runs as one compiled graph (`module.compile()` or a `torch.compile` wrapper)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
+def fsdp_post_backward(root) -> None:
+    """Run FSDP2's post-backward (reduce-scatter of the accumulated unsharded gradients) by hand.
+
+    Pipeline schedules split a microbatch's backward into B and W, so FSDP's own post-backward hook
+    would fire before the weight gradients exist; the runtime turns it off and calls this once after
+    the last W, as torch's own pipelining does, through FSDP2's private state.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(root)
+    for each in state._state_ctx.all_states:
+        # Newer torch holds a list of parameter groups per state; older releases held one (or None).
+        groups = getattr(each, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [each._fsdp_param_group] if each._fsdp_param_group is not None else []
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -1,0 +1,37 @@
+"""Expert parallelism: the `MoE` layer, its all-to-all token dispatch and grouped-GEMM experts.
+
+`MoE` is the layer; `apply_expert_parallel` shards its experts over an expert-parallel group;
+`update_expert_biases` runs DeepSeek-V3's bias step; `aux_loss_value`, `pop_router_stats` and
+`hf_load_balancing_loss` expose the balancing losses. See docs/expert_parallel.md.
+"""
+
+from meshkit.expert_parallel.grouped_gemm import GroupedExperts, SwiGLU, from_hf_layout, to_hf_layout
+from meshkit.expert_parallel.moe import (
+    MoE,
+    RouterStats,
+    apply_expert_parallel,
+    aux_loss_value,
+    hf_load_balancing_loss,
+    moe_layers,
+    pop_router_stats,
+    router_z_loss,
+    switch_aux_loss,
+    update_expert_biases,
+)
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "RouterStats",
+    "SwiGLU",
+    "apply_expert_parallel",
+    "aux_loss_value",
+    "from_hf_layout",
+    "hf_load_balancing_loss",
+    "moe_layers",
+    "pop_router_stats",
+    "router_z_loss",
+    "switch_aux_loss",
+    "to_hf_layout",
+    "update_expert_biases",
+]

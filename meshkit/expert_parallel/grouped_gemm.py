@@ -1,0 +1,195 @@
+"""SwiGLU experts over expert-major rows: one grouped GEMM per projection, or a per-expert loop.
+
+Rows arrive sorted by expert with the per-expert counts already on the host (dispatch synced them
+once), so both paths cost no further host sync. `torch._grouped_mm` runs every expert in one kernel;
+the loop is the reference it is tested against and the fallback where the kernel does not run
+(fp64, strides that are not 16-byte aligned, devices or builds without it).
+
+Weights use the HF 5.x fused layout, which is `nn.Linear`'s (out, in) per expert:
+`gate_up_EOH` is [E, 2I, H] with the gate rows first, `down_EHI` is [E, H, I].
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from meshkit._compat import grouped_mm_op
+
+Backend = Literal["auto", "grouped_mm", "loop"]
+
+
+@functools.cache
+def _kernel_runs(device_type: str, device_index: int | None, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs for this device and dtype, found by running it once.
+
+    Support differs by build, device capability and dtype across the torch versions meshkit runs on,
+    and a probe is the one answer that cannot go stale.
+    """
+    op = grouped_mm_op()
+    if op is None:
+        return False
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    try:
+        with torch.no_grad():
+            a = torch.zeros(8, 8, device=device, dtype=dtype)
+            b = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+            op(a, b.transpose(-2, -1), offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def grouped_mm_usable(x_GH: Tensor, *weights: Tensor) -> bool:
+    """True when `torch._grouped_mm` can take these operands as they are.
+
+    It needs every row stride 16-byte aligned: H and I times the element size must be multiples of 16.
+    """
+    if any(w.dtype != x_GH.dtype or w.device != x_GH.device for w in weights):
+        return False
+    size = x_GH.element_size()
+    dims = [x_GH.shape[-1]] + [d for w in weights for d in w.shape[-2:]]
+    if any(d * size % 16 for d in dims):
+        return False
+    return _kernel_runs(x_GH.device.type, x_GH.device.index, x_GH.dtype)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    `_grouped_mm`'s backward rejects stride-0 gradients (e.g. from `.sum()` or `expand`), which the
+    ops after the experts may produce.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def expert_linear(
+    x_GH: Tensor, w_EOH: Tensor, tokens_per_expert: Sequence[int], offsets_E: Tensor | None
+) -> Tensor:
+    """Rows of expert e times `w_EOH[e]`ᵀ, for all experts at once; `offsets_E` selects the kernel.
+
+    With `offsets_E` (int32 cumulative row ends) one `_grouped_mm`; rows past the last offset would
+    come back uninitialised, so callers pass exactly `sum(tokens_per_expert)` rows. Without it, a loop
+    of `F.linear` over the per-expert blocks.
+    """
+    if offsets_E is not None:
+        out = grouped_mm_op()(x_GH, w_EOH.transpose(-2, -1), offs=offsets_E)
+        return _ContiguousGrad.apply(out)
+    blocks = torch.split(x_GH, list(tokens_per_expert))
+    return torch.cat([F.linear(block, w_EOH[e]) for e, block in enumerate(blocks)])
+
+
+def swiglu_experts(
+    x_GH: Tensor,
+    gate_up_EOH: Tensor,
+    down_EHI: Tensor,
+    tokens_per_expert: Sequence[int],
+    backend: Backend = "auto",
+    counts_E: Tensor | None = None,
+) -> Tensor:
+    """down(silu(gate(x)) * up(x)) for every row with its own expert's weights; rows expert-major.
+
+    `backend="auto"` takes the grouped GEMM where `grouped_mm_usable` says it runs, else the loop;
+    `"grouped_mm"` raises where it does not run instead of silently falling back. `counts_E`, the
+    same counts already on the device, gives the kernel its offsets without a host-to-device copy
+    (on CUDA a blocking one).
+    """
+    if len(tokens_per_expert) != gate_up_EOH.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert has {len(tokens_per_expert)} entries for {gate_up_EOH.shape[0]} local experts"
+        )
+    if sum(tokens_per_expert) != x_GH.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sum(tokens_per_expert)}, but there are {x_GH.shape[0]} rows")
+    if backend not in ("auto", "grouped_mm", "loop"):
+        raise ValueError(f"expert backend {backend!r}: use 'auto', 'grouped_mm' or 'loop'")
+    x_GH = x_GH.to(gate_up_EOH.dtype)
+    use_kernel = backend != "loop" and grouped_mm_usable(x_GH, gate_up_EOH, down_EHI)
+    if backend == "grouped_mm" and not use_kernel:
+        raise ValueError(
+            f"torch._grouped_mm does not run here ({x_GH.dtype} on {x_GH.device.type}, hidden "
+            f"{x_GH.shape[-1]}, expert weights {tuple(gate_up_EOH.shape)}): it needs fp32/bf16 and "
+            f"16-byte aligned strides; use expert_backend='auto' or 'loop'"
+        )
+    offsets_E = None
+    if use_kernel and counts_E is not None:
+        offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    elif use_kernel:
+        offsets_E = torch.tensor(list(accumulate(tokens_per_expert)), dtype=torch.int32, device=x_GH.device)
+    gate_up_G2I = expert_linear(x_GH, gate_up_EOH, tokens_per_expert, offsets_E)
+    gate_GI, up_GI = gate_up_G2I.chunk(2, dim=-1)
+    return expert_linear(F.silu(gate_GI) * up_GI, down_EHI, tokens_per_expert, offsets_E)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts' stacked weights, in HF 5.x's fused layout and under HF's names.
+
+    A module of their own so that expert parallelism and FSDP can give these weights a mesh of
+    their own (Shard(0) over ep, FSDP over the remaining data ranks) while the router and shared
+    expert keep the dense placements; and named like HF's `experts` so state dicts map one to one.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend = "auto",
+                 **factory):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.backend: Backend = backend
+
+    @property
+    def num_local_experts(self) -> int:
+        return _local(self.gate_up_proj).shape[0]
+
+    def forward(self, x_GH: Tensor, tokens_per_expert: Sequence[int], counts_E: Tensor | None = None) -> Tensor:
+        """`tokens_per_expert`: rows per local expert on the host; `counts_E`: the same on the device."""
+        return swiglu_experts(x_GH, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert,
+                              self.backend, counts_E)
+
+
+class SwiGLU(nn.Module):
+    """The shared expert: down(silu(gate(x)) * up(x)) on every token, under HF's MLP names."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, **factory):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local block of an expert-sharded DTensor (differentiable); plain tensors pass through."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def from_hf_layout(gate_up: Tensor, down: Tensor, *, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """HF fused expert weights -> `GroupedExperts`' (gate_up_proj, down_proj), losslessly.
+
+    Most HF 5.x MoE models (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE, ...) already store this
+    layout: identity. Models marked `is_transposed` (Llama4, Aria) store [E, H, 2I] and [E, I, H] with
+    the gate half first on the last dim: a transpose of the last two dims. GPT-OSS (interleaved gate/up
+    columns, biases, clamped activation) is a different expert, not a layout.
+    """
+    if transposed:
+        return gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    return gate_up, down
+
+
+def to_hf_layout(gate_up_proj: Tensor, down_proj: Tensor, *, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """Inverse of `from_hf_layout` (a transpose is its own inverse)."""
+    return from_hf_layout(gate_up_proj, down_proj, transposed=transposed)

@@ -1,0 +1,439 @@
+"""`MoE`: a token-choice top-k mixture-of-experts layer with expert parallelism and load balancing.
+
+The layer is written once for one rank or many: `apply_expert_parallel` keeps a contiguous block of
+E/ep experts per rank and sets the groups; forward is unchanged (dispatch.py does the travelling).
+
+Three decisions shape this file:
+
+- **Routing is decided once per forward and replayed on recompute.** Activation-checkpoint recompute
+  runs forward again inside backward; re-running top-k there can pick other experts (a bias update in
+  between, non-deterministic kernels, near ties) and silently corrupt gradients. Each forward that
+  builds a graph stores its decision (top-k ids, capacity mask, dispatch plan, global load counts) in
+  a record owned by the graph; recompute pops the oldest live record instead of routing. Records
+  retire when backward passes the router (or when the graph is freed), so nothing accumulates.
+  Backward must visit a layer's forwards in forward order, as a plain loop, gradient accumulation and
+  every pipeline schedule do.
+- **Auxiliary losses train the router through the layer's output**, not through the model's loss: a
+  `_AttachLoss` identity adds d(aux)/d(.) = `aux_loss_scale` in backward, so they work on any pipeline
+  stage. The detached value is kept in `aux_loss` for logging; `pop_router_stats` +
+  `hf_load_balancing_loss` reproduce HF's pooled-over-layers convention instead.
+- **Balancing statistics are global.** Counts are all-reduced over `load_group` (the ranks that split
+  the batch: data x context ranks), so the aux loss is the global batch's and the bias update is the
+  same on every rank. Each rank's aux loss is its share: summed over `load_group` it is the global one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from meshkit._compat import in_backward
+from meshkit.expert_parallel.dispatch import (
+    DispatchPlan,
+    capacity_mask,
+    combine,
+    count_per_expert,
+    dispatch,
+    plan_dispatch,
+)
+from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU, _local
+
+
+@dataclass
+class RouterStats:
+    """One forward's balancing statistics; sums over `load_group` give the global batch's.
+
+    `prob_sum_E` and `lse_sq_sum` are this rank's sums (with graph); `counts_E` (routed assignments,
+    before capacity drops) and `num_tokens` are already summed over the load group (no graph).
+    """
+
+    prob_sum_E: Tensor
+    lse_sq_sum: Tensor
+    counts_E: Tensor
+    num_tokens: Tensor
+    top_k: int
+
+
+def switch_aux_loss(stats: RouterStats) -> Tensor:
+    """Switch load-balancing loss, Megatron's scale: E/(K T²) Σ_e count_e · Σ_t p_te = 1 when balanced.
+
+    HF's `load_balancing_loss_func` for one layer is K times this (E Σ_e f_e P_e with f summing to K).
+    """
+    E = stats.prob_sum_E.numel()
+    T = stats.num_tokens.clamp(min=1)
+    return (stats.counts_E * stats.prob_sum_E).sum() * (E / (stats.top_k * T * T))
+
+
+def router_z_loss(stats: RouterStats) -> Tensor:
+    """ST-MoE z-loss: the mean over the global batch of logsumexp(logits)²."""
+    return stats.lse_sq_sum / stats.num_tokens.clamp(min=1)
+
+
+def hf_load_balancing_loss(stats: list[RouterStats]) -> Tensor:
+    """HF's `load_balancing_loss_func` (Mixtral, Qwen3-MoE) over these layers, before its coefficient.
+
+    HF pools counts and probabilities over all layers before the product, E Σ_e f̄_e P̄_e, which no
+    per-layer loss reproduces; this is that pooled value (this rank's share, as everywhere here).
+    """
+    E = stats[0].prob_sum_E.numel()
+    rows = sum(s.num_tokens for s in stats).clamp(min=1)
+    counts_E = sum(s.counts_E for s in stats)
+    prob_sum_E = sum(s.prob_sum_E for s in stats)
+    return (counts_E * prob_sum_E).sum() * (E / (rows * rows))
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `out`; in backward, `loss` receives gradient `scale` as if added to the model loss."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.meta = (loss.shape, loss.dtype, loss.device, scale)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype, device, scale = ctx.meta
+        return grad, torch.full(shape, scale, dtype=dtype, device=device), None
+
+
+@dataclass(eq=False)
+class _Routing:
+    """One forward's routing decision, replayed by its recompute."""
+
+    num_tokens: int = 0
+    expert_TK: Tensor | None = None
+    plan: DispatchPlan | None = None
+    counts_E: Tensor | None = None  # routed counts summed over the load group (for stats)
+    num_tokens_global: Tensor | None = None
+    retired: bool = False
+
+
+class _KeepAlive(torch.autograd.Function):
+    """Identity whose graph node owns a `_Routing`: it lives as long as the graph and retires when
+    backward reaches the router logits, which is after any recompute of the layer."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, routing: _Routing) -> Tensor:
+        ctx.routing = routing
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.routing is not None:
+            ctx.routing.retired = True
+            ctx.routing = None
+        return grad, None
+
+
+class MoE(nn.Module):
+    """Token-choice top-k MoE with SwiGLU experts, an fp32 router and an optional shared expert.
+
+    Submodules carry HF's names, so an HF sparse block's state dict loads as is: `gate` (the router,
+    [E, H], fp32), `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+    `experts.down_proj` [E, H, I] (per rank its own E/ep block), `shared_expert.{gate,up,down}_proj`.
+    Dropless unless `capacity_factor` is set; then each expert keeps at most ceil(cf·T·K/E) of this
+    rank's assignments (highest router score first) and the dropped ones are counted
+    (`dropped_last`, `dropped_total`, out of `routed_total`).
+
+    Balancing: `aux_loss_coef` (Switch, Megatron scale), `z_loss_coef`, and `bias_update_rate` > 0
+    for DeepSeek-V3's loss-free balancing (an fp32 `expert_bias` added to the scores for selection
+    only, moved by `update_expert_biases` once per step).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: Literal["softmax", "sigmoid"] = "softmax",
+        normalize_topk: bool = True,
+        route_scale: float = 1.0,
+        shared_intermediate_size: int = 0,
+        capacity_factor: float | None = None,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        bias_update_rate: float = 0.0,
+        expert_backend: Backend = "auto",
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive, or None for dropless")
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.normalize_topk, self.route_scale = score_func, normalize_topk, route_scale
+        self.capacity_factor = capacity_factor
+        self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
+        self.init_std = init_std
+        self.aux_loss_scale = 1.0  # gradient multiplier of the attached aux losses (e.g. 1/microbatches)
+        self.keep_router_stats = False  # store `router_stats` for `pop_router_stats` (HF's convention)
+        self.ep_group: ProcessGroup | None = None
+        self.load_group: ProcessGroup | None = None
+
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, expert_backend, **factory)
+        self.shared_expert = (
+            SwiGLU(hidden_size, shared_intermediate_size, **factory) if shared_intermediate_size else None
+        )
+        if bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("load_counts_E", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
+            self.load_counts_E = None
+
+        # Reported, never silent.
+        self.dropped_last = 0
+        self.dropped_total = 0
+        self.routed_total = 0
+        self.replays = 0  # recomputes that reused the forward's routing
+        self.reroutes = 0  # recomputes that found no record and routed again (reentrant AC under no_grad)
+        self.aux_loss: Tensor | None = None
+        self.router_stats: RouterStats | None = None
+        self._records: deque[weakref.ref[_Routing]] = deque()
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.experts.num_local_experts
+
+    def _apply(self, fn, recurse: bool = True):
+        """Keep `expert_bias` fp32 through `.to(bf16)` / `.half()`: updates of ~1e-3 vanish in bf16."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(device=self.expert_bias.device, dtype=torch.float32)
+        return self
+
+    def reset_parameters(self) -> None:
+        for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
+            nn.init.normal_(p, std=self.init_std)
+        if self.shared_expert is not None:
+            for lin in (self.shared_expert.gate_proj, self.shared_expert.up_proj, self.shared_expert.down_proj):
+                nn.init.normal_(lin.weight, std=self.init_std)
+
+    # -- routing ------------------------------------------------------------------------------------
+
+    def _probs(self, logits_TE: Tensor) -> Tensor:
+        if self.score_func == "softmax":
+            return logits_TE.softmax(dim=-1)
+        return logits_TE.sigmoid()
+
+    def _route(self, scores_TE: Tensor, routing: _Routing, stats_needed: bool) -> Tensor:
+        """Decide top-k (and capacity), plan the dispatch and sum counts over the load group; no graph.
+
+        Returns this rank's routed assignments per expert (before capacity drops) for the bias counts.
+        """
+        with torch.no_grad():
+            select_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+            expert_TK = select_TE.topk(self.top_k, dim=-1).indices
+            keep_TK = None
+            if self.capacity_factor is not None:
+                keep_TK = capacity_mask(expert_TK, scores_TE.gather(1, expert_TK), self.num_experts,
+                                        self.capacity_factor)
+            routing.num_tokens = expert_TK.shape[0]
+            routing.expert_TK = expert_TK
+            routing.plan = plan_dispatch(expert_TK, self.num_experts, self.ep_group, keep_TK)
+            routed_E = routing.plan.counts_E if keep_TK is None else count_per_expert(
+                expert_TK.reshape(-1), self.num_experts)
+            if stats_needed:
+                tokens_1 = torch.full((1,), routing.num_tokens, dtype=torch.float32, device=routed_E.device)
+                counts_E1 = torch.cat([routed_E.float(), tokens_1])  # a fill, not a host copy
+                if self.load_group is not None:
+                    dist.all_reduce(counts_E1, group=self.load_group)
+                routing.counts_E, routing.num_tokens_global = counts_E1[:-1], counts_E1[-1]
+            return routed_E
+
+    def _pop_record(self, num_tokens: int) -> _Routing | None:
+        while self._records:
+            routing = self._records.popleft()()
+            if routing is None or routing.retired:
+                continue
+            if routing.num_tokens != num_tokens:
+                raise RuntimeError(
+                    f"MoE recompute saw {num_tokens} tokens but the oldest pending forward routed "
+                    f"{routing.num_tokens}: backward must visit this layer's forwards in forward order"
+                )
+            routing.retired = True
+            return routing
+        return None
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_TH = x.reshape(-1, self.hidden_size)
+        logits_TE = F.linear(x_TH.float(), _local(self.gate.weight).float())
+        recompute = in_backward()
+        stats_needed = self.training and torch.is_grad_enabled() and (
+            self.aux_loss_coef > 0 or self.z_loss_coef > 0 or self.keep_router_stats)
+        routing = self._pop_record(x_TH.shape[0]) if recompute else None
+        replayed = routing is not None
+        if routing is None:
+            routing = _Routing()
+            if not recompute and logits_TE.requires_grad:
+                logits_TE = _KeepAlive.apply(logits_TE, routing)
+                self._records = deque(r for r in self._records if (live := r()) is not None and not live.retired)
+                self._records.append(weakref.ref(routing))
+        scores_TE = self._probs(logits_TE)
+        if replayed:
+            self.replays += 1
+        else:
+            routed_E = self._route(scores_TE, routing, stats_needed)
+            if recompute:
+                self.reroutes += 1
+            else:
+                self._count(routing.plan, routed_E)
+
+        weights_TK = scores_TE.gather(1, routing.expert_TK)
+        if self.normalize_topk:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights_TK = weights_TK * self.route_scale
+        rows_GH = dispatch(x_TH, routing.plan)
+        y_GH = self.experts(rows_GH, routing.plan.tokens_per_local_expert, routing.plan.local_counts_E)
+        out_TH = combine(y_GH, routing.plan, weights_TK).to(x.dtype)
+        if self.shared_expert is not None:
+            out_TH = out_TH + self.shared_expert(x_TH)
+
+        if stats_needed:
+            out_TH = self._balance(out_TH, logits_TE, scores_TE, routing, recompute)
+        return out_TH.view(x.shape)
+
+    def _count(self, plan: DispatchPlan, routed_E: Tensor) -> None:
+        """Drop and load bookkeeping: once per real forward, never on recompute."""
+        self.dropped_last = plan.dropped
+        self.dropped_total += plan.dropped
+        self.routed_total += plan.num_tokens * self.top_k
+        if self.load_counts_E is not None and self.training:
+            self.load_counts_E += routed_E
+
+    def _balance(self, out_TH: Tensor, logits_TE: Tensor, scores_TE: Tensor, routing: _Routing,
+                 recompute: bool) -> Tensor:
+        probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+        stats = RouterStats(
+            prob_sum_E=probs_TE.sum(0),
+            lse_sq_sum=torch.logsumexp(logits_TE, dim=-1).square().sum(),
+            counts_E=routing.counts_E,
+            num_tokens=routing.num_tokens_global,
+            top_k=self.top_k,
+        )
+        aux = None
+        if self.aux_loss_coef > 0:
+            aux = self.aux_loss_coef * switch_aux_loss(stats)
+        if self.z_loss_coef > 0:
+            z = self.z_loss_coef * router_z_loss(stats)
+            aux = z if aux is None else aux + z
+        if not recompute:
+            self.router_stats = stats if self.keep_router_stats else None
+            self.aux_loss = None if aux is None else aux.detach()
+        if aux is not None:
+            out_TH = _AttachLoss.apply(out_TH, aux, self.aux_loss_scale)
+        return out_TH
+
+    @torch.no_grad()
+    def update_bias(self, loads_E: Tensor | None = None) -> None:
+        """DeepSeek-V3: b += rate * sign(mean load - load) in fp32, from loads summed over `load_group`.
+
+        Call once per optimizer step on every rank of the load group (`update_expert_biases` batches
+        all layers into one all-reduce); the counts then restart from zero.
+        """
+        if self.expert_bias is None:
+            return
+        if loads_E is None:
+            loads_E = self.load_counts_E.clone()
+            if self.load_group is not None:
+                dist.all_reduce(loads_E, group=self.load_group)
+        loads_E = loads_E.float()
+        self.expert_bias += self.bias_update_rate * torch.sign(loads_E.mean() - loads_E)
+        self.load_counts_E.zero_()
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def update_expert_biases(module: nn.Module) -> None:
+    """`update_bias` on every MoE under `module`, with one all-reduce per distinct load group."""
+    layers = [m for m in moe_layers(module) if m.expert_bias is not None]
+    by_group: dict[int, list[MoE]] = {}
+    for m in layers:
+        by_group.setdefault(id(m.load_group), []).append(m)
+    for group_layers in by_group.values():
+        loads = torch.cat([m.load_counts_E for m in group_layers])
+        group = group_layers[0].load_group
+        if group is not None:
+            dist.all_reduce(loads, group=group)
+        for m, loads_E in zip(group_layers, loads.split([m.num_experts for m in group_layers])):
+            m.update_bias(loads_E)
+
+
+def aux_loss_value(module: nn.Module) -> Tensor | None:
+    """Sum of the attached aux losses of the last forward (detached; this rank's share, for logging)."""
+    losses = [m.aux_loss for m in moe_layers(module) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def pop_router_stats(module: nn.Module) -> list[RouterStats]:
+    """The `router_stats` of every MoE with `keep_router_stats`, cleared so graphs are not kept alive."""
+    stats = []
+    for m in moe_layers(module):
+        if m.router_stats is not None:
+            stats.append(m.router_stats)
+            m.router_stats = None
+    return stats
+
+
+def _group_of(ep: ProcessGroup | DeviceMesh) -> tuple[ProcessGroup, DeviceMesh | None]:
+    if isinstance(ep, DeviceMesh):
+        if ep.ndim != 1:
+            raise ValueError(f"the expert-parallel mesh must be 1D, got axes {ep.mesh_dim_names}")
+        return ep.get_group(), ep
+    return ep, None
+
+
+def apply_expert_parallel(
+    moe: MoE, ep: ProcessGroup | DeviceMesh, *, load_group: ProcessGroup | None = None
+) -> MoE:
+    """Keep this rank's contiguous block of E/ep experts and route over `ep`, in place.
+
+    `ep` is a process group or 1D mesh; with a mesh the expert weights become DTensors Shard(0) on it.
+    `load_group` is where balancing statistics are summed; it defaults to the ep group, but must be
+    every rank that splits the batch (and holds a copy of `expert_bias`), e.g. all data x context
+    ranks, or biases drift apart and the aux loss is not the global batch's.
+    """
+    group, mesh = _group_of(ep)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if moe.num_experts % size:
+        raise ValueError(f"num_experts={moe.num_experts} is not divisible by ep={size}: choose ep dividing it")
+    if moe.num_local_experts != moe.num_experts:
+        raise ValueError("apply_expert_parallel: this MoE's experts are already sharded")
+    local = moe.num_experts // size
+    for name in ("gate_up_proj", "down_proj"):
+        block = getattr(moe.experts, name).detach()[rank * local : (rank + 1) * local].clone()
+        if mesh is not None:
+            block = DTensor.from_local(block, mesh, [Shard(0)], run_check=False)
+        setattr(moe.experts, name, nn.Parameter(block))
+    moe.ep_group = group
+    moe.load_group = group if load_group is None else load_group
+    return moe
