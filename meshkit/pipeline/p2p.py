@@ -1,0 +1,114 @@
+"""Activation and gradient transfers between pipeline ranks, with the ordering that cannot deadlock.
+
+Why it cannot deadlock (gloo): `meshkit.pipeline.simulate.check` proves that running each rank's
+action list in order, with sends that never block and receives that block until their send was
+issued, finishes on every rank. The runtime issues the same actions in the same order and differs
+only by being more eager: a run of consecutive communication actions is posted as one batch (a send
+may go out before an earlier receive of the run completed), and a receive is waited on only just
+before the compute that consumes it. No send is ever issued later than in the proven execution, so
+every wait is for a send the proof shows is issued. On gloo an `isend` returns at once and the
+transport's own threads finish it, so a pending send never needs its rank to make progress, which
+is exactly the model `check` assumes. Each message carries a tag unique within a step (boundary,
+microbatch, direction), so receives match by identity, not by posting order, even when several
+transfers between the same two ranks are in flight.
+
+NCCL ignores tags and matches per peer in posting order, and a send may hold its stream until the
+peer's receive is posted. Posting each run of consecutive transfers as one `batch_isend_irecv`
+group is how torch's own schedules avoid the send/send cross between neighbours; the ordering
+argument above does not cover NCCL's in-order matching and has not been checked on GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of the activation crossing one stage boundary (its gradient has the same)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+
+def wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What actually travels: this rank's local, contiguous, autograd-free data."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.detach().contiguous()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message: `send` or receive of `tensor` with pipeline rank `peer` under `tag`."""
+
+    send: bool
+    peer: int
+    tag: int
+    tensor: torch.Tensor
+
+
+class Transfers:
+    """Posts batches of transfers on the pipeline group and keeps them alive until they complete.
+
+    Send buffers are held until their work completes (gloo reads them asynchronously); receive
+    buffers are handed out by key once their work has been waited on.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._global = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._receives: dict[object, tuple[list[dist.Work], torch.Tensor]] = {}
+
+    def post(self, batch: list[tuple[object, Transfer]]) -> None:
+        """Start every transfer of `batch` at once; `key`s name receives for `take`."""
+        if not batch:
+            return
+        ops = [
+            dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, self._global[t.peer], self.group, t.tag)
+            for _, t in batch
+        ]
+        works = list(dist.batch_isend_irecv(ops))
+        # A coalescing backend (NCCL) returns one work for the whole batch instead of one per op.
+        per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+        for (key, t), op_works in zip(batch, per_op):
+            if t.send:
+                self._sends.extend((w, t.tensor) for w in op_works)
+            else:
+                if key in self._receives:
+                    raise RuntimeError(f"receive {key} posted twice")
+                self._receives[key] = (op_works, t.tensor)
+        self._release_finished_sends()
+
+    def take(self, key: object) -> torch.Tensor:
+        """Block until the receive posted under `key` has arrived; return its buffer."""
+        try:
+            works, tensor = self._receives.pop(key)
+        except KeyError:
+            raise RuntimeError(f"{key} consumed before its receive was posted") from None
+        for work in works:
+            work.wait()
+        return tensor
+
+    def finish(self) -> None:
+        """Wait for every send, so no buffer is freed or reused while the peer still reads it."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        if self._receives:
+            raise RuntimeError(f"receives posted but never consumed: {sorted(map(str, self._receives))}")
+
+    def _release_finished_sends(self) -> None:
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]

@@ -1,0 +1,299 @@
+"""Run one rank's part of a meshkit `Schedule`: forwards, backwards and transfers, in list order.
+
+Why meshkit's own executor: torch's `_PipelineScheduleRuntime` is private, its action format changed
+meaning between releases, its shape inference runs a hidden forward/backward that clears `.grad`,
+and its backward split re-walks the autograd graph (a second recompute per checkpointed block, no
+compiled stages). Executing meshkit's checked action lists directly keeps one format end to end.
+
+Semantics the callers rely on:
+- The loss is the caller's: `loss_fn(output, microbatch)` returns that microbatch's loss already
+  divided by the global denominator, so the runtime never scales anything. Gradients accumulate
+  into `.grad` across microbatches and across calls (gradient accumulation); nothing is zeroed.
+- No shape inference: receive buffers come from the static `shapes` the caller declares, and every
+  send is checked against them, so a wrong declaration fails on the sender with the numbers.
+- B/W split (ZB schedules): `meshkit.pipeline.weight_grad` defers eager linear weight gradients
+  from B to W; see its docstring for why and what it costs.
+- FSDP2: gradients are reduce-scattered once per call, after the last W. During the schedule the
+  FSDP modules neither sync nor reshard after backward (their hooks run in B, before W has added
+  the weight gradients); the post-backward reduction then runs by hand, as torch's pipelining does.
+- Run it inside the caller's `loss_parallel()` (or other) context: backward happens inside the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshkit._compat import fsdp_post_backward
+from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
+from meshkit.pipeline.schedules import Action, ActionKind, Schedule
+from meshkit.pipeline.simulate import check
+from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
+
+__all__ = ["LossFn", "Shapes", "TensorMeta", "run_schedule"]
+
+LossFn = Callable[[Any, int], torch.Tensor]
+#: One meta for every boundary, one per boundary (keyed by the sending stage), or a function of
+#: (boundary, microbatch) for microbatches of different sizes.
+Shapes = TensorMeta | Mapping[int, TensorMeta] | Callable[[int, int], TensorMeta]
+
+K = ActionKind
+_COMM = frozenset({K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B})
+
+
+def run_schedule(
+    schedule: Schedule,
+    stages: Mapping[int, nn.Module],
+    *,
+    pp_group: dist.ProcessGroup,
+    microbatch_inputs: Sequence[Any] | None = None,
+    loss_fn: LossFn | None = None,
+    shapes: Shapes | None = None,
+    stage_kwargs: Sequence[Mapping[str, Any]] | None = None,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor]:
+    """Run this rank's actions of `schedule`; return the detached per-microbatch losses (last stage only).
+
+    `stages` maps each global stage index this rank computes to its module, called as
+    `module(inputs, **stage_kwargs[microbatch])`. The first stage's inputs are
+    `microbatch_inputs[microbatch]`; later stages get the previous stage's output, received as a
+    plain tensor described by `shapes` (a DTensor output travels as its local shard and its
+    gradient is rebuilt with the output's placements). The last stage's output goes to
+    `loss_fn(output, microbatch)`, whose result is backpropagated as is.
+    """
+    rank = dist.get_rank(pp_group)
+    _validate(schedule, rank, dist.get_world_size(pp_group), stages, microbatch_inputs, loss_fn,
+              shapes, stage_kwargs)
+    run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device)
+    actions = schedule.ranks[rank]
+    splits = any(a.kind is K.W for a in actions)
+    with _fsdp_reduce_once(list(stages.values())), (
+        deferrable_linears(stages.values()) if splits else contextlib.nullcontext()
+    ):
+        position = 0
+        while position < len(actions):
+            end = position + 1
+            if actions[position].kind in _COMM:  # a run of transfers is posted as one batch
+                while end < len(actions) and actions[end].kind in _COMM:
+                    end += 1
+            try:
+                run.execute(actions[position:end], deferred=splits)
+            except Exception as exc:
+                _note(exc, f"meshkit pipeline rank {rank} failed in {actions[position]} (position {position} "
+                           f"of {len(actions)} in schedule {schedule.name!r})")
+                raise
+            position = end
+        run.finish()
+    return [run.losses[mb] for mb in sorted(run.losses)]
+
+
+class _RankRun:
+    """The state of one rank during one schedule: what each (stage, microbatch) still holds."""
+
+    def __init__(self, schedule, rank, stages, group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device):
+        self.owner = schedule.stage_to_rank()
+        self.last = schedule.num_stages - 1
+        self.m = schedule.num_microbatches
+        self.rank, self.stages = rank, stages
+        self.inputs, self.loss_fn = microbatch_inputs, loss_fn
+        self.shapes, self.stage_kwargs = shapes, stage_kwargs
+        self.device = torch.device(device) if device is not None else _device_of(stages.values())
+        self.p2p = Transfers(group)
+        self.stage_inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # the loss on the last stage
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: dict[tuple[int, int], PendingWeightGrads] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+
+    def execute(self, actions: Sequence[Action], deferred: bool) -> None:
+        first = actions[0]
+        if first.kind in _COMM:
+            self.p2p.post([self._transfer(a) for a in actions])
+        elif first.kind is K.F:
+            self._forward(first.stage, first.microbatch)
+        elif first.kind in (K.B, K.BW):
+            self._backward(first.stage, first.microbatch, weights_now=first.kind is K.BW, deferred=deferred)
+        else:
+            self.pending.pop((first.stage, first.microbatch)).run()
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, s: int, mb: int) -> None:
+        if s == 0:
+            x = self.inputs[mb]
+        else:
+            if self.owner[s - 1] == self.rank:  # same tensor the wire would carry, without the wire
+                x = wire_tensor(self.outputs[(s - 1, mb)])
+            else:
+                x = self.p2p.take((K.RECV_F, s, mb))
+            x.requires_grad_(x.is_floating_point())
+            self.stage_inputs[(s, mb)] = x
+        kwargs = self.stage_kwargs[mb] if self.stage_kwargs is not None else {}
+        out = self.stages[s](x, **kwargs)
+        if s == self.last:
+            out = self.loss_fn(out, mb)
+            self.losses[mb] = out.detach()
+        self.outputs[(s, mb)] = out
+
+    def _backward(self, s: int, mb: int, weights_now: bool, deferred: bool) -> None:
+        out = self.outputs.pop((s, mb))
+        grad = None
+        if s < self.last:
+            grad = (self.input_grads.pop((s + 1, mb)) if self.owner[s + 1] == self.rank
+                    else self.p2p.take((K.RECV_B, s, mb)))
+            if isinstance(out, DTensor) and not isinstance(grad, DTensor):
+                grad = DTensor.from_local(grad, out.device_mesh, out.placements, run_check=False,
+                                          shape=out.shape, stride=out.stride())
+        pending = PendingWeightGrads()
+        with collecting(pending) if deferred else contextlib.nullcontext():
+            torch.autograd.backward(out, grad)
+        if weights_now:
+            pending.run()
+        else:
+            self.pending[(s, mb)] = pending
+        if s > 0:
+            x = self.stage_inputs.pop((s, mb))
+            self.input_grads[(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    # ------------------------------------------------------------- transfers
+    def _transfer(self, action: Action) -> tuple[object, Transfer]:
+        s, mb = action.stage, action.microbatch
+        if action.kind is K.SEND_F:
+            tensor = self._checked(wire_tensor(self.outputs[(s, mb)]), s, mb, "output")
+            return action, Transfer(True, self.owner[s + 1], _tag(s, mb, self.m, False), tensor)
+        if action.kind is K.SEND_B:
+            tensor = self._checked(wire_tensor(self.input_grads.pop((s, mb))), s - 1, mb, "input gradient")
+            return action, Transfer(True, self.owner[s - 1], _tag(s - 1, mb, self.m, True), tensor)
+        boundary, peer, backward = (s - 1, self.owner[s - 1], False) if action.kind is K.RECV_F else (
+            s, self.owner[s + 1], True)
+        meta = _meta(self.shapes, boundary, mb)
+        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        return (action.kind, s, mb), Transfer(False, peer, _tag(boundary, mb, self.m, backward), buffer)
+
+    def _checked(self, tensor: torch.Tensor, boundary: int, mb: int, what: str) -> torch.Tensor:
+        meta = _meta(self.shapes, boundary, mb)
+        if TensorMeta.of(tensor) != meta:
+            raise ValueError(
+                f"stage {boundary if what == 'output' else boundary + 1} {what} for microbatch {mb} is "
+                f"{tuple(tensor.shape)} {tensor.dtype}, but shapes declares {meta.shape} {meta.dtype} for the "
+                f"boundary after stage {boundary}; fix the shapes passed to run_schedule (the receiver "
+                f"allocates its buffer from them)"
+            )
+        return tensor
+
+    def finish(self) -> None:
+        self.p2p.finish()
+        left = {name: sorted(d) for name, d in (("outputs", self.outputs), ("input grads", self.input_grads),
+                                                ("weight grads", self.pending)) if d}
+        if left:
+            raise RuntimeError(f"schedule ended with work left on rank {self.rank}: {left}")
+
+
+def _tag(boundary: int, mb: int, num_microbatches: int, backward: bool) -> int:
+    """Unique per message of a step, so gloo matches receives by identity, not by posting order."""
+    return 2 * (boundary * num_microbatches + mb) + int(backward)
+
+
+def _meta(shapes: Shapes | None, boundary: int, mb: int) -> TensorMeta:
+    if isinstance(shapes, TensorMeta):
+        return shapes
+    if isinstance(shapes, Mapping):
+        return shapes[boundary]
+    return shapes(boundary, mb)
+
+
+def _device_of(stages) -> torch.device:
+    for stage in stages:
+        for p in stage.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(text)
+
+
+@functools.lru_cache(maxsize=16)
+def _checked_schedule(schedule: Schedule) -> None:
+    check(schedule)
+
+
+def _validate(schedule, rank, world, stages, microbatch_inputs, loss_fn, shapes, stage_kwargs) -> None:
+    """Local checks before the first transfer: each names the argument and the fix."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"run_schedule: schedule must be a meshkit Schedule, got {type(schedule).__name__}")
+    if rank < 0:
+        raise ValueError("run_schedule: this process is not a member of pp_group")
+    if schedule.num_ranks != world:
+        raise ValueError(f"run_schedule: schedule {schedule.name!r} has {schedule.num_ranks} ranks but pp_group "
+                         f"has {world}; build the schedule with pp={world}")
+    _checked_schedule(schedule)
+    owner = schedule.stage_to_rank()
+    mine = {s for s, r in enumerate(owner) if r == rank}
+    if set(stages) != mine:
+        raise ValueError(f"run_schedule: pp rank {rank} was given stages {sorted(stages)}, but schedule "
+                         f"{schedule.name!r} runs stages {sorted(mine)} there; pass exactly those")
+    m = schedule.num_microbatches
+    if 0 in mine and (microbatch_inputs is None or len(microbatch_inputs) != m):
+        got = None if microbatch_inputs is None else len(microbatch_inputs)
+        raise ValueError(f"run_schedule: microbatch_inputs has {got} entries; the first stage needs one per "
+                         f"microbatch ({m})")
+    if schedule.num_stages - 1 in mine and loss_fn is None:
+        raise ValueError("run_schedule: the last stage lives on this rank, so loss_fn is required")
+    if stage_kwargs is not None and len(stage_kwargs) != m:
+        raise ValueError(f"run_schedule: stage_kwargs has {len(stage_kwargs)} entries; pass one mapping per "
+                         f"microbatch ({m}) or None")
+    for a in (a for a in schedule.ranks[rank] if a.kind in _COMM):
+        boundary = a.stage - 1 if a.kind in (K.RECV_F, K.SEND_B) else a.stage
+        try:
+            meta = _meta(shapes, boundary, a.microbatch)
+        except (KeyError, TypeError):
+            meta = None
+        if not isinstance(meta, TensorMeta):
+            raise ValueError(f"run_schedule: shapes gives no TensorMeta for the boundary after stage {boundary} "
+                             f"(microbatch {a.microbatch}), which {a} transfers; declare every boundary")
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp_roots(stages: list[nn.Module]) -> list[nn.Module]:
+    """The outermost FSDP2 modules inside the stages (each carries its nested units' state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, FSDPModule):
+            roots.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    for stage in stages:
+        visit(stage)
+    return roots
+
+
+@contextlib.contextmanager
+def _fsdp_reduce_once(stages: list[nn.Module]) -> Iterator[None]:
+    roots = _fsdp_roots(stages)
+    for root in roots:
+        root.set_requires_gradient_sync(False)
+        root.set_reshard_after_backward(False)
+        root.set_is_last_backward(False)
+    yield  # on an exception the ranks disagree anyway; the flags stay off rather than reduce garbage
+    for root in roots:
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(True)
+        root.set_is_last_backward(True)
+        fsdp_post_backward(root)
+
+

@@ -1,0 +1,93 @@
+"""Cutting a causal LM into pipeline stages, and which stages a rank holds.
+
+The embedding and the norm + LM head are counted as one layer each when balancing, so the first and
+last stages get fewer decoder blocks (they also run the embedding lookup and the vocabulary
+projection, the costliest single matmul of a small model). With `v` virtual stages per rank, stage
+`s` of `pp * v` lives on rank `s % pp` (the interleaved layout the schedules assume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from meshkit.models import llama
+from meshkit.stage import CausalLMStage
+
+
+def split_layers(num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None) -> list[range]:
+    """Decoder-block index ranges of each stage.
+
+    Balanced by default over `num_layers + 2` units (embedding, blocks, norm+head). `boundaries` are
+    explicit first-block indices of stages 1..num_stages-1, strictly increasing; a stage may not be
+    empty unless it is the first or last one, which still hold the embedding or the head.
+    """
+    if num_stages < 1:
+        raise ValueError(f"pipeline stages={num_stages}: need at least one stage")
+    if boundaries is None:
+        units = num_layers + 2
+        if units < num_stages:
+            raise ValueError(
+                f"pp * pp_virtual_stages = {num_stages} stages need at least {num_stages - 2} decoder layers "
+                f"(the embedding and the head count as one layer each); the model has {num_layers}; "
+                f"fix: use fewer stages"
+            )
+        cuts = [round(units * s / num_stages) for s in range(num_stages + 1)]
+        # Unit u >= 1 is block u - 1; unit 0 is the embedding and unit `units - 1` the head.
+        ranges = [range(max(a - 1, 0), min(b - 1, num_layers)) for a, b in zip(cuts, cuts[1:])]
+    else:
+        bounds = list(boundaries)
+        if len(bounds) != num_stages - 1 or any(b <= a for a, b in zip([0, *bounds], [*bounds, num_layers + 1])) \
+                or bounds and (bounds[0] < 0 or bounds[-1] > num_layers):
+            raise ValueError(
+                f"pp_split={bounds}: need {num_stages - 1} strictly increasing first-layer indices in "
+                f"[1, {num_layers}] (one per stage after the first); fix: e.g. "
+                f"{[r.start for r in split_layers(num_layers, num_stages)[1:]]}"
+            )
+        starts = [0, *bounds]
+        ranges = [range(a, b) for a, b in zip(starts, [*bounds, num_layers])]
+    for s, r in enumerate(ranges):
+        if len(r) == 0 and 0 < s < num_stages - 1:
+            raise ValueError(
+                f"pipeline stage {s} of {num_stages} would hold no decoder layer; fix: use fewer stages or "
+                f"different split points"
+            )
+    return ranges
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """Global stage indices held by `pp_rank`, in execution order."""
+    return [pp_rank + pp * v for v in range(virtual)]
+
+
+def build_stages(
+    parts: llama.CausalLMParts,
+    blocks: Sequence[nn.Module],
+    ranges: Sequence[range],
+    stage_ids: Sequence[int],
+) -> dict[int, CausalLMStage]:
+    """The `CausalLMStage` modules for `stage_ids`; `blocks` are the (possibly wrapped) decoder blocks."""
+    last = len(ranges) - 1
+    return {
+        s: CausalLMStage(
+            {i: blocks[i] for i in ranges[s]},
+            parts.rotary,
+            embed=parts.embed if s == 0 else None,
+            norm=parts.norm if s == last else None,
+            lm_head=parts.lm_head if s == last else None,
+        )
+        for s in stage_ids
+    }
+
+
+def modules_not_held(parts: llama.CausalLMParts, ranges: Sequence[range], stage_ids: Sequence[int]) -> list[nn.Module]:
+    """Blocks, embedding and head that belong to other ranks' stages (freed by moving them to meta)."""
+    mine = {i for s in stage_ids for i in ranges[s]}
+    others: list[nn.Module] = [b for i, b in enumerate(parts.blocks) if i not in mine]
+    last = len(ranges) - 1
+    if 0 not in stage_ids:
+        others.append(parts.embed)
+    if last not in stage_ids:
+        others += [parts.norm, parts.lm_head]
+    return others
