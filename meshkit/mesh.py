@@ -9,7 +9,8 @@ and code never branches on which axes exist. Derived groups are flattened views 
   ranks fold in here because they run the same weights on different parts of one sequence.
 - `dp_cp`       = dp_replicate x dp_shard x cp: ranks whose losses add up to the global loss (loss
   denominator, gradient-norm reduction).
-- `cp_tp`       = cp x tp: ranks that must receive the same batch (they split one sequence).
+- `pp_cp_tp`    = pp x cp x tp: ranks that must receive the same batch (they split one model or
+  one sequence).
 
 USP splits the cp axis once more into a ring part (outer) and a Ulysses part (inner); see
 `usp_axes`.
@@ -32,7 +33,7 @@ DERIVED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-    "cp_tp": ("cp", "tp"),
+    "pp_cp_tp": ("pp", "cp", "tp"),
 }
 
 

@@ -22,9 +22,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshkit import loss as loss_lib
 from meshkit.consensus import raise_if_any
 from meshkit.context_parallel import sharding as cp_sharding
+from meshkit.data_parallel import DTYPES
 from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.mesh import axis
 from meshkit.models import llama
+from meshkit.pipeline.p2p import TensorMeta
+from meshkit.pipeline.runtime import run_schedule
+from meshkit.pipeline.schedules import build_schedule
 from meshkit.plan import Plan
 from meshkit.tensor_parallel import loss_context, reduce_partial_grads, replicated_params
 
@@ -42,13 +46,17 @@ class LocalBatch(NamedTuple):
 class ParallelModel:
     """A model sharded by a Plan: `forward_backward`, `clip_grad_norm_`, state dicts, weight init."""
 
-    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, model_parts: list[nn.Module],
+    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, stages: dict[int, nn.Module],
                  device: torch.device, reduce_tp_grads: bool = False):
         self.model = model
         self.plan = plan
         self.mesh = mesh
-        self.model_parts = model_parts
+        self.model_parts = [stages[s] for s in sorted(stages)]
         self.device = device
+        self._stages = stages
+        self._pp = axis(mesh, "pp")
+        self._schedule = (build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
+                          if plan.pp > 1 else None)
         self.check_inputs = True
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
@@ -121,41 +129,73 @@ class ParallelModel:
         """
         batch = self._prepare(input_ids, labels, position_ids)
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
-        (stage,) = self.model_parts
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
-            loss_sum = loss_lib.summed_cross_entropy(logits, batch.targets)
-            (loss_sum / denominator).backward()
+            if self._schedule is not None:
+                share = self._pipeline_step(batch, denominator)
+            else:
+                (stage,) = self.model_parts
+                logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
+                share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+                share.backward()
         if self._reduce_tp_grads:
             reduce_partial_grads(replicated_params(self.model_parts))
-        return self._global_loss(loss_sum, denominator)
+        return self._global_loss(share)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The global-batch loss without touching gradients (eval mode is the caller's choice)."""
+        if self._schedule is not None:
+            raise ValueError("evaluate: forward-only pipeline schedules are not implemented yet (pp > 1); "
+                             "fix: evaluate with a pp=1 plan, or use forward_backward and discard gradients")
         batch = self._prepare(input_ids, labels, position_ids)
         (stage,) = self.model_parts
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
-            loss_sum = loss_lib.summed_cross_entropy(logits, batch.targets)
-        return self._global_loss(loss_sum, float(max(batch.valid_tokens, 1)))
+            share = loss_lib.summed_cross_entropy(logits, batch.targets) / float(max(batch.valid_tokens, 1))
+        return self._global_loss(share)
 
-    def _global_loss(self, loss_sum: torch.Tensor, denominator: float) -> torch.Tensor:
-        total = loss_sum.detach()
+    def _pipeline_step(self, batch: LocalBatch, denominator: float) -> torch.Tensor:
+        """Run this rank's part of the schedule over `pp_microbatches` slices of the batch's rows."""
+        m = self.plan.microbatches
+        rows_total, seq = batch.input_ids.shape
+        rows = [slice(i * rows_total // m, (i + 1) * rows_total // m) for i in range(m)]
+
+        def per_row(t, r):
+            return None if t is None else (t if t.shape[0] == 1 else t[r])
+
+        def loss_fn(logits, mb):
+            return loss_lib.summed_cross_entropy(logits, batch.targets[rows[mb]]) / denominator
+
+        sp = self.plan.tp if self.plan.tp > 1 and self.plan.sequence_parallel else 1
+        dtype = DTYPES[self.plan.param_dtype]
+        shapes = TensorMeta((rows_total // m, seq // sp, self.model.config.hidden_size), dtype)
+        kwargs = [{"position_ids": per_row(batch.position_ids, r), "doc_ids": per_row(batch.doc_ids, r)}
+                  for r in rows]
+        losses = run_schedule(self._schedule, self._stages, pp_group=self._pp.get_group(),
+                              microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
+                              shapes=shapes, stage_kwargs=kwargs, device=self.device)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return sum(t.full_tensor() if isinstance(t, DTensor) else t for t in losses)
+
+    def _global_loss(self, share: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's share of the loss (each already divided by the global denominator)."""
+        total = share.detach()
         if isinstance(total, DTensor):
             total = total.full_tensor()
         total = total.float().clone()
-        if self._dp_cp.size() > 1:
-            dist.all_reduce(total, group=self._dp_cp.get_group())
-        return total / denominator
+        for group_mesh in (self._dp_cp, self._pp):
+            if group_mesh.size() > 1:
+                dist.all_reduce(total, group=group_mesh.get_group())
+        return total
 
     def _prepare(self, input_ids, labels, position_ids) -> LocalBatch:
         """Check, shift once on the full sequence, count globally, then cut this rank's context shard."""
         if self.check_inputs:
             problem = self._input_problem(input_ids, labels, position_ids)
             # Every rank joins the same collectives whatever it found locally, or the peers hang.
-            if self.plan.tp * self.plan.cp > 1:
+            if self.plan.pp * self.plan.tp * self.plan.cp > 1:
                 disagreement = self._peer_agreement_problem(input_ids if problem is None else None)
                 problem = problem or disagreement
             raise_if_any(problem, device=self.device)
@@ -188,6 +228,9 @@ class ParallelModel:
         batch, seq = input_ids.shape
         if batch < 1 or seq < 2:
             return f"input_ids {tuple(input_ids.shape)}: need a batch of at least one sequence of at least 2 tokens"
+        if self.plan.pp > 1 and batch % self.plan.microbatches:
+            return (f"batch of {batch} sequences does not split into pp_microbatches={self.plan.microbatches}; "
+                    f"fix: a local batch that is a multiple of {self.plan.microbatches}")
         seq_problem = self.plan.seq_len_problem(seq)
         if seq_problem:
             return f"sequence length {seq}: {seq_problem}"
@@ -209,7 +252,7 @@ class ParallelModel:
 
         A rank whose input is already known bad (None) still joins, with a signature that disagrees.
         """
-        peers = axis(self.mesh, "cp_tp")
+        peers = axis(self.mesh, "pp_cp_tp")
         if input_ids is None:
             signature = torch.full((3,), -1, dtype=torch.int64, device=self.device)
         else:
@@ -223,40 +266,55 @@ class ParallelModel:
         smallest = -both[3:]
         if input_ids is None or bool((smallest == -1).all()) or torch.equal(both[:3], smallest):
             return None  # agreement, or a peer already failed and will report its own reason
-        return ("tensor/context-parallel peers received different batches (shape or content); ranks with the "
+        return ("pipeline/tensor/context-parallel peers received different batches (shape or content); ranks with the "
                 "same pm.dp_rank must load identical input_ids and labels")
 
     # ------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
-        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups())
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""
-        return total_grad_norm(list(self.parameters()), norm_type)
+        return total_grad_norm(list(self.parameters()), norm_type, self._norm_groups())
+
+    def _norm_groups(self) -> list:
+        """Pipeline ranks hold disjoint parameters: their partial norms add up over pp."""
+        return [self._pp.get_group()] if self.plan.pp > 1 else []
 
     # --------------------------------------------------------- state dicts
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and persistent buffer as a plain CPU tensor under its HF name (on every rank)."""
+        """Every parameter and persistent buffer as a plain CPU tensor under its HF name (on every rank).
+
+        Under pipelining each rank gathers its stages' tensors and the pipeline ranks exchange them, so
+        every rank ends with the whole model in CPU memory: meant for export and tests of small models.
+        """
         out = {}
         for name, tensor in self.model.state_dict().items():
+            if tensor.is_meta:
+                continue  # another pipeline rank's layer
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             out[name] = tensor.detach().cpu().clone()
+        if self.plan.pp > 1:
+            pieces: list[dict | None] = [None] * self._pp.size()
+            dist.all_gather_object(pieces, out, group=self._pp.get_group())
+            out = {k: v for piece in pieces for k, v in piece.items()}
         return out
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy full (unsharded) tensors into this rank's shards; each rank slices what it holds, no traffic."""
         self._materialise()
-        own = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
-        own.update(dict(self.model.named_buffers()))
-        missing = sorted(set(own) - set(state_dict) - _non_persistent(self.model))
-        unexpected = sorted(set(state_dict) - set(own))
+        every = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
+        every.update(dict(self.model.named_buffers()))
+        expected = set(every) - _non_persistent(self.model)
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
         if strict and (missing or unexpected):
             raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
-        for name, target in own.items():
-            if name in state_dict:
+        for name, target in every.items():
+            if name in state_dict and not target.is_meta:
                 _copy_full_into(target, state_dict[name])
 
     @torch.no_grad()
@@ -268,7 +326,7 @@ class ParallelModel:
         """
         self._materialise()
         config = self.model.config
-        for name, param in self.model.named_parameters():
+        for name, param in self.named_parameters():
             rule, std = llama.init_rule(name, config)
             shape = param.shape
             if rule == "ones":
@@ -284,11 +342,11 @@ class ParallelModel:
             _copy_full_into(param, full)
 
     def _materialise(self) -> None:
-        if not any(t.is_meta for t in self.model.parameters()) and not any(
-            b.is_meta for b in self.model.buffers()
-        ):
+        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta."""
+        if not any(t.is_meta for part in self.model_parts for t in [*part.parameters(), *part.buffers()]):
             return
-        self.model.to_empty(device=self.device)
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
         llama.reset_rotary(llama.parts(self.model).rotary, self.device)
 
 

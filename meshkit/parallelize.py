@@ -1,11 +1,13 @@
 """`parallelize`: apply a Plan to an unmodified HF model, in the one order that composes.
 
-Order: validate (every rank, before any collective) -> mesh -> TP/SP -> CP attention -> activation
+Order: validate (every rank, before any collective) -> mesh -> pipeline split (other ranks' layers
+go to the meta device before anything touches them) -> TP/SP -> CP attention -> activation
 checkpointing -> torch.compile per block -> FSDP2 per unit (embedding, each block, [norm, lm_head],
-root) over dp_shard x cp. TP comes
-first because FSDP must shard the DTensors TP produced (2D); AC wraps the block FSDP will wrap, so
-FSDP's all-gather hooks stay outside the recomputed region; compile sees a block with its TP
-collectives and checkpoint boundaries but not FSDP's hooks.
+stage root) over dp_shard x cp. TP comes before FSDP because FSDP must shard the DTensors TP
+produced (2D). Under pipelining FSDP keeps gathered weights through the step
+(reshard_after_forward off) so microbatches do not re-gather them. AC wraps the block FSDP will
+wrap, so FSDP's all-gather hooks stay outside the recomputed region; compile sees a block with its
+TP collectives and checkpoint boundaries but not FSDP's hooks.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel import hf as cp_hf
 from meshkit.models import llama
 from meshkit.parallel_model import ParallelModel
+from meshkit.pipeline import stage as pipeline_stage
 from meshkit.plan import Plan, PlanError
-from meshkit.stage import CausalLMStage
 from meshkit.tensor_parallel import apply_tensor_parallel
 
 
@@ -45,10 +47,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         _check_mesh(mesh, plan)
 
     device = _mesh_device(mesh)
-    if not _on_meta(model) and device.type != "cpu":
-        model.to(device)
     llama.use_attention(model, cp_hf.register())
     parts = llama.parts(model)
+    ranges, stage_ids = _pipeline_layout(plan, mesh, len(parts.blocks))
+    for module in pipeline_stage.modules_not_held(parts, ranges, stage_ids):
+        module.to("meta")  # another pipeline rank's layers: keep the names, free the memory
+    if not _on_meta(model) and device.type != "cpu":
+        for module in pipeline_stage.modules_held(parts, ranges, stage_ids):
+            module.to(device)
     if plan.cp > 1:
         split = _context_parallel_attention(plan, mesh)
         for attention in llama.attention_modules(parts):
@@ -58,29 +64,40 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         apply_tensor_parallel(
             parts, mesh["tp"], sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel
         )
-    blocks = apply_activation_checkpointing(parts.blocks, plan.activation_checkpointing)
-    if plan.compile:
-        for block in blocks:
+    held = sorted({i for s in stage_ids for i in ranges[s]})
+    blocks = list(parts.blocks)
+    wrapped = apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)
+    for i, block in zip(held, wrapped):
+        blocks[i] = block
+        if plan.compile:
             block.compile()
-    stage = CausalLMStage(
-        dict(enumerate(blocks)), parts.rotary, embed=parts.embed, norm=parts.norm, lm_head=parts.lm_head
-    )
+    stages = pipeline_stage.build_stages(parts, blocks, ranges, stage_ids)
     use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
     if use_fsdp:
-        # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
-        # with tying both stay in the root unit.
-        edges = [] if parts.tied else [parts.embed]
-        tail = [] if parts.tied else [[parts.norm, parts.lm_head]]
         reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
-        data_parallel.apply_fsdp(
-            edges + blocks + tail,
-            stage,
-            mesh_lib.fsdp_mesh(mesh),
-            param_dtype=plan.param_dtype,
-            reduce_dtype=plan.reduce_dtype,
-            reshard_after_forward=reshard,
-        )
-    return ParallelModel(model, plan, mesh, [stage], device, reduce_tp_grads=plan.tp > 1 and not use_fsdp)
+        for stage in stages.values():
+            # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
+            # with tying both stay in the root unit.
+            edges = [stage.embed] if stage.embed is not None and not parts.tied else []
+            tail = [[stage.norm, stage.lm_head]] if stage.lm_head is not None and not parts.tied else []
+            data_parallel.apply_fsdp(
+                edges + list(stage.layers.values()) + tail,
+                stage,
+                mesh_lib.fsdp_mesh(mesh),
+                param_dtype=plan.param_dtype,
+                reduce_dtype=plan.reduce_dtype,
+                reshard_after_forward=reshard,
+            )
+    return ParallelModel(model, plan, mesh, stages, device, reduce_tp_grads=plan.tp > 1 and not use_fsdp)
+
+
+def _pipeline_layout(plan: Plan, mesh: DeviceMesh, num_layers: int) -> tuple[list[range], list[int]]:
+    """Every stage's layer range, and the stages this rank holds (all of them without pipelining)."""
+    num_stages = plan.pp * plan.pp_virtual_stages
+    ranges = pipeline_stage.split_layers(num_layers, num_stages, plan.pp_split or None)
+    if plan.pp == 1:
+        return ranges, list(range(num_stages))
+    return ranges, pipeline_stage.stages_of_rank(mesh["pp"].get_local_rank(), plan.pp, plan.pp_virtual_stages)
 
 
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> cp_hf.ContextParallelAttention:
@@ -108,4 +125,5 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+    """Whether the user built the model on the meta device (then nothing is moved; init materialises)."""
+    return all(p.is_meta for p in model.parameters())

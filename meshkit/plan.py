@@ -25,11 +25,11 @@ else:  # pragma: no cover
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
 CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Axes this version implements above degree 1; the others are refused by `validate` with the reason.
 _NOT_YET = {
-    "pp": "pipeline parallelism is not implemented yet (tracked as the pipeline-parallel issue)",
     "ep": "expert parallelism is not implemented yet (tracked as the expert-parallel issue)",
 }
 
@@ -61,6 +61,10 @@ class Plan:
     compile: bool = False
     cp_attention: str = "zigzag"
     cp_ulysses: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_virtual_stages: int = 1
+    pp_split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -79,6 +83,16 @@ class Plan:
             problems.append(f"cp_attention={self.cp_attention!r}: must be one of {CP_ATTENTION}")
         if not isinstance(self.cp_ulysses, int) or isinstance(self.cp_ulysses, bool) or self.cp_ulysses < 1:
             problems.append(f"cp_ulysses={self.cp_ulysses!r}: must be a positive int")
+        if self.pp_schedule not in PP_SCHEDULES:
+            problems.append(f"pp_schedule={self.pp_schedule!r}: must be one of {PP_SCHEDULES}")
+        for name in ("pp_virtual_stages",) + (("pp_microbatches",) if self.pp_microbatches is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r}: must be a positive int")
+        if isinstance(self.pp_split, list):
+            object.__setattr__(self, "pp_split", tuple(self.pp_split))
+        if not isinstance(self.pp_split, tuple) or not all(isinstance(b, int) for b in self.pp_split):
+            problems.append(f"pp_split={self.pp_split!r}: must be a list of first-layer indices, e.g. [4, 8, 12]")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {DTYPES}")
@@ -138,6 +152,7 @@ class Plan:
             if getattr(plan, axis) > 1:
                 problems.append(f"{axis}={getattr(plan, axis)}: {why}; fix: set {axis}=1")
         problems += _check_cp(plan)
+        problems += _check_pp(plan)
         if plan.param_dtype == "float32" and plan.reduce_dtype != "float32":
             problems.append(
                 f"reduce_dtype={plan.reduce_dtype!r} with param_dtype='float32': reducing in lower precision "
@@ -154,6 +169,13 @@ class Plan:
                     problems.append(f"seq_len={seq_len}: {problem}")
         _raise(problems)
         return plan
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline step (`pp_microbatches`, defaulting to pp; 1 without pipelining)."""
+        if self.pp_microbatches is not None:
+            return self.pp_microbatches
+        return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
 
     @property
     def cp_layout(self) -> str:
@@ -226,7 +248,7 @@ class Plan:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain mapping of every field (TOML-serialisable except a None `reshard_after_forward`)."""
+        """Plain mapping of every field (TOML-serialisable except None values)."""
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
@@ -261,7 +283,14 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
         raise PlanError(f"Plan is invalid:\n  - unknown option {key!r}; known options: {sorted(types)}")
     kind = str(types[key])
     lowered = value.lower()
+    if key == "pp_split":
+        try:
+            return tuple(int(x) for x in value.replace("/", " ").split())
+        except ValueError:
+            raise PlanError(f"Plan is invalid:\n  - pp_split={value!r}: write first-layer indices as 4/8/12") from None
     if kind.startswith("int"):
+        if "None" in kind and lowered in ("none", "null", "auto", ""):
+            return None
         try:
             return int(value)
         except ValueError:
@@ -275,6 +304,33 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return False
         raise PlanError(f"Plan is invalid:\n  - {key}={value!r}: must be true or false")
     return value
+
+
+def _check_pp(plan: Plan) -> list[str]:
+    problems = []
+    v, m = plan.pp_virtual_stages, plan.microbatches
+    if plan.pp_schedule == "interleaved_1f1b":
+        if plan.pp > 1 and v < 2:
+            problems.append(
+                f"pp_virtual_stages={v}: interleaved_1f1b runs several stages per rank; fix: pp_virtual_stages=2 "
+                f"or more, or pp_schedule='1f1b'"
+            )
+        if plan.pp > 1 and m < plan.pp:
+            problems.append(
+                f"pp_microbatches={m}: interleaved 1F1B needs at least pp={plan.pp} microbatches; fix: "
+                f"pp_microbatches={plan.pp} or more"
+            )
+    elif v != 1:
+        problems.append(
+            f"pp_virtual_stages={v} with pp_schedule={plan.pp_schedule!r}: only interleaved_1f1b runs several "
+            f"stages per rank; fix: pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'"
+        )
+    if plan.pp_split and len(plan.pp_split) != plan.pp * v - 1:
+        problems.append(
+            f"pp_split={list(plan.pp_split)}: {plan.pp * v} stages need {plan.pp * v - 1} split points (the first "
+            f"layer of every stage after the first)"
+        )
+    return problems
 
 
 def _check_cp(plan: Plan) -> list[str]:
@@ -318,6 +374,20 @@ def _check_model(plan: Plan, config: Any) -> list[str]:
             problems.append(
                 f"tp={tp}: the vocab-parallel embedding and LM head split vocab_size={config.vocab_size}, and {tp} does "
                 f"not divide it; fix: pad the vocabulary to {math.ceil(config.vocab_size / tp) * tp}"
+            )
+    stages = plan.pp * plan.pp_virtual_stages
+    if stages > 1:
+        if config.num_hidden_layers + 2 < stages:
+            problems.append(
+                f"pp={plan.pp} x pp_virtual_stages={plan.pp_virtual_stages}: {stages} pipeline stages need at least "
+                f"{stages - 2} decoder layers (embedding and head count as one each); the model has "
+                f"{config.num_hidden_layers}; fix: fewer stages"
+            )
+        if getattr(config, "tie_word_embeddings", False):
+            problems.append(
+                f"pp={plan.pp}: the model ties its embedding and LM head, which pipelining puts on different ranks; "
+                f"fix: untie them before parallelize (model.config.tie_word_embeddings = False; "
+                f"model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone()))"
             )
     degree = plan.ulysses_degree
     if plan.cp > 1 and degree > 1 and (heads // tp) % degree:

@@ -72,10 +72,24 @@ def test_sequence_parallel_needs_divisible_seq_len():
     Plan(tp=4, sequence_parallel=False).validate(_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4), 4, 10)
 
 
-def test_unimplemented_axes_are_refused_with_reason():
-    for axis in ("pp", "ep"):
-        with pytest.raises(ValueError, match=f"{axis}=2: .*not implemented"):
-            Plan(**{axis: 2, "dp_shard": 2 if axis == "ep" else 1}).validate(world_size=2 if axis == "ep" else 2)
+def test_expert_parallelism_is_refused_with_reason():
+    with pytest.raises(ValueError, match="ep=2: .*not implemented"):
+        Plan(ep=2, dp_shard=2).validate(world_size=2)
+
+
+def test_pipeline_options_are_checked():
+    with pytest.raises(ValueError, match="pp_virtual_stages=1: interleaved_1f1b"):
+        Plan(pp=2, pp_schedule="interleaved_1f1b").validate(world_size=2)
+    with pytest.raises(ValueError, match="pp_microbatches=1: interleaved 1F1B needs at least pp=2"):
+        Plan(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=1).validate(world_size=2)
+    with pytest.raises(ValueError, match="pp_virtual_stages=2 with pp_schedule='zb_h1'"):
+        Plan(pp=2, pp_schedule="zb_h1", pp_virtual_stages=2).validate(world_size=2)
+    with pytest.raises(ValueError, match="pp_schedule='dualpipe'"):
+        Plan(pp=2, pp_schedule="dualpipe")
+    with pytest.raises(ValueError, match=r"8 pipeline stages need at least 6 decoder layers"):
+        Plan(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2).validate(_config(num_hidden_layers=2), 4)
+    assert Plan.from_string("pp=2,pp_split=3").pp_split == (3,)
+    assert Plan(pp=4).microbatches == 4 and Plan().microbatches == 1
 
 
 @pytest.mark.parametrize(

@@ -108,3 +108,8 @@ def _compiled(plan: str) -> tuple[float, float]:
 def test_compiled_blocks_match(dist):
     for loss_err, err in dist(2).run(_compiled, "dp_shard=2,compile=true", timeout=600):
         assert loss_err < 1e-5 and err < 2e-6
+
+
+def test_gradient_accumulation_under_pipelining(dist):
+    for err, loss_err in dist(4).run(_accumulate, "pp=2,dp_shard=2,pp_schedule=zb_h1", True):
+        assert err < 2e-6 and loss_err < 1e-5

@@ -81,13 +81,20 @@ def build_stages(
     }
 
 
-def modules_not_held(parts: llama.CausalLMParts, ranges: Sequence[range], stage_ids: Sequence[int]) -> list[nn.Module]:
-    """Blocks, embedding and head that belong to other ranks' stages (freed by moving them to meta)."""
+def modules_held(parts: llama.CausalLMParts, ranges: Sequence[range], stage_ids: Sequence[int]) -> list[nn.Module]:
+    """Blocks, embedding, norm and head of this rank's stages (the rotary embedding every stage shares)."""
     mine = {i for s in stage_ids for i in ranges[s]}
-    others: list[nn.Module] = [b for i, b in enumerate(parts.blocks) if i not in mine]
     last = len(ranges) - 1
-    if 0 not in stage_ids:
-        others.append(parts.embed)
-    if last not in stage_ids:
-        others += [parts.norm, parts.lm_head]
-    return others
+    held: list[nn.Module] = [parts.rotary] + [b for i, b in enumerate(parts.blocks) if i in mine]
+    if 0 in stage_ids:
+        held.append(parts.embed)
+    if last in stage_ids:
+        held += [parts.norm, parts.lm_head]
+    return held
+
+
+def modules_not_held(parts: llama.CausalLMParts, ranges: Sequence[range], stage_ids: Sequence[int]) -> list[nn.Module]:
+    """Blocks, embedding, norm and head of other ranks' stages (freed by moving them to meta)."""
+    held = {id(m) for m in modules_held(parts, ranges, stage_ids)}
+    everything = [*parts.blocks, parts.embed, parts.norm, parts.lm_head]
+    return [m for m in everything if id(m) not in held]
