@@ -142,3 +142,9 @@ def fsdp_post_backward(root) -> None:
         for group in groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose axes are those of `meshes` (all derived from the same root), e.g. the HSDP mesh
+    (dp_replicate, dp_shard_mod_ep) that FSDP shards expert weights over; `DeviceMesh._concatenate`."""
+    return DeviceMesh._concatenate(meshes)

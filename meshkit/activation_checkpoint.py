@@ -63,8 +63,14 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
-    """Return the blocks wrapped for `mode` ("none" returns them unchanged)."""
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, full_only=lambda block: False) -> list[nn.Module]:
+    """Return the blocks wrapped for `mode` ("none" returns them unchanged).
+
+    Blocks for which `full_only` is true get full checkpointing under "selective": selective
+    checkpointing replays the forward's op sequence by position, which a block whose recompute
+    legitimately skips ops (an MoE layer replaying its stored routing under TP) would break.
+    """
     if mode == "none":
         return list(blocks)
-    return [CheckpointedBlock(block, mode) for block in blocks]
+    return [CheckpointedBlock(block, "full" if mode == "selective" and full_only(block) else mode)
+            for block in blocks]

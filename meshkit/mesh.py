@@ -12,7 +12,11 @@ and code never branches on which axes exist. Derived groups are flattened views 
 - `pp_cp_tp`    = pp x cp x tp: ranks that must receive the same batch (they split one model or
   one sequence).
 
-USP splits the cp axis once more into a ring part (outer) and a Ulysses part (inner); see
+- `dp_cp_tp`    = every rank of one pipeline stage: ranks that split the batch's tokens (MoE load
+  statistics are summed over them).
+
+The expert mesh folds ep over dp_shard x cp (`expert_axes`): experts reuse data/context ranks and
+never multiply the world size. USP splits the cp axis once more into a ring part (outer) and a Ulysses part (inner); see
 `usp_axes`.
 """
 
@@ -34,6 +38,7 @@ DERIVED = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "pp_cp_tp": ("pp", "cp", "tp"),
+    "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 
@@ -123,3 +128,20 @@ def usp_axes(mesh: DeviceMesh, ulysses: int) -> tuple:
     """(Ulysses group, ring group) of 2D context parallelism: cp rank = ring_rank * ulysses + ulysses_rank."""
     cp = mesh["cp"].size()
     return split_axis(mesh, "cp", (cp // ulysses, ulysses), ("cp_ring", "cp_ulysses"))
+
+
+def expert_axes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """(ep mesh, expert-FSDP mesh): dp_shard_cp split into an outer part that shards expert weights
+    with FSDP and an inner part of `ep` neighbouring ranks that each hold 1/ep of the experts."""
+    size = submesh(mesh, "dp_shard_cp").size()
+    inner, outer = split_axis(mesh, "dp_shard_cp", (size // ep, ep), ("dp_shard_mod_ep", "ep"))
+    return inner, outer
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh, outer: DeviceMesh) -> DeviceMesh:
+    """What FSDP shards expert weights over: the expert-FSDP axis, 2D with dp_replicate under HSDP."""
+    if mesh["dp_replicate"].size() == 1:
+        return outer
+    from meshkit._compat import concatenate_meshes
+
+    return concatenate_meshes([submesh(mesh, "dp_replicate"), outer])

@@ -23,6 +23,7 @@ from meshkit import loss as loss_lib
 from meshkit.consensus import raise_if_any
 from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.data_parallel import DTYPES
+from meshkit.expert_parallel import update_expert_biases
 from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.mesh import axis
 from meshkit.models import llama
@@ -30,7 +31,7 @@ from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.plan import Plan
-from meshkit.tensor_parallel import loss_context, reduce_partial_grads, replicated_params
+from meshkit.tensor_parallel import loss_context, reduce_partial_grads, reduce_plain_grads, replicated_params
 
 
 class LocalBatch(NamedTuple):
@@ -47,7 +48,7 @@ class ParallelModel:
     """A model sharded by a Plan: `forward_backward`, `clip_grad_norm_`, state dicts, weight init."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, stages: dict[int, nn.Module],
-                 device: torch.device, reduce_tp_grads: bool = False):
+                 device: torch.device, reduce_tp_grads: bool = False, tp_summed_params: list | None = None):
         self.model = model
         self.plan = plan
         self.mesh = mesh
@@ -63,6 +64,7 @@ class ParallelModel:
         self._cp = axis(mesh, "cp")
         self._vocab = model.config.vocab_size
         self._reduce_tp_grads = reduce_tp_grads
+        self._tp_summed_params = tp_summed_params or []
 
     # ---------------------------------------------------------------- data
     @property
@@ -139,6 +141,8 @@ class ParallelModel:
                 share.backward()
         if self._reduce_tp_grads:
             reduce_partial_grads(replicated_params(self.model_parts))
+        if self._tp_summed_params:
+            reduce_plain_grads(self._tp_summed_params, axis(self.mesh, "tp").get_group())
         return self._global_loss(share)
 
     @torch.no_grad()
@@ -268,6 +272,11 @@ class ParallelModel:
             return None  # agreement, or a peer already failed and will report its own reason
         return ("pipeline/tensor/context-parallel peers received different batches (shape or content); ranks with the "
                 "same pm.dp_rank must load identical input_ids and labels")
+
+    def update_expert_biases(self) -> None:
+        """DeepSeek-V3 router-bias step of every MoE layer (call after `optimizer.step()`; no-op if unused)."""
+        for part in self.model_parts:
+            update_expert_biases(part)
 
     # ------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

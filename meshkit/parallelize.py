@@ -20,6 +20,7 @@ from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
 from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel import hf as cp_hf
+from meshkit.expert_parallel import apply_expert_parallel
 from meshkit.models import llama
 from meshkit.parallel_model import ParallelModel
 from meshkit.pipeline import stage as pipeline_stage
@@ -41,6 +42,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
     plan = plan.validate(model.config, world)
+    _check_moe(plan, llama.moe_modules(llama.parts(model)))
     if mesh is None:
         mesh = mesh_lib.init_mesh(plan)
     else:
@@ -64,9 +66,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         apply_tensor_parallel(
             parts, mesh["tp"], sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel
         )
+    moes = llama.moe_modules(parts)
+    expert_fsdp = _apply_expert_parallel(plan, mesh, moes) if moes else None
     held = sorted({i for s in stage_ids for i in ranges[s]})
+    held_moes = [m for m in moes if any(m is getattr(parts.blocks[i], "mlp", None) for i in held)]
     blocks = list(parts.blocks)
-    wrapped = apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)
+    wrapped = apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing,
+                                             full_only=llama.has_moe if plan.tp > 1 else lambda block: False)
     for i, block in zip(held, wrapped):
         blocks[i] = block
         if plan.compile:
@@ -75,6 +81,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
     if use_fsdp:
         reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        for moe in held_moes:
+            # Experts get their own unit: sharded over the data ranks that ep leaves.
+            data_parallel.apply_fsdp([], moe.experts, expert_fsdp, param_dtype=plan.param_dtype,
+                                     reduce_dtype=plan.reduce_dtype, reshard_after_forward=reshard)
         for stage in stages.values():
             # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
             # with tying both stay in the root unit.
@@ -88,7 +98,46 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
                 reduce_dtype=plan.reduce_dtype,
                 reshard_after_forward=reshard,
             )
-    return ParallelModel(model, plan, mesh, stages, device, reduce_tp_grads=plan.tp > 1 and not use_fsdp)
+    tp_summed = [p for m in held_moes for p in m.parameters()] if plan.tp > 1 else []
+    return ParallelModel(model, plan, mesh, stages, device, reduce_tp_grads=plan.tp > 1 and not use_fsdp,
+                         tp_summed_params=tp_summed)
+
+
+def _check_moe(plan: Plan, moes: list) -> None:
+    """MoE rules the config alone cannot show; raised on every rank before any collective."""
+    problems = []
+    if plan.ep > 1 and not moes:
+        problems.append(
+            f"ep={plan.ep}: the model has no meshkit MoE layers to shard; fix: ep=1, or swap its MLPs for "
+            f"meshkit.MoE layers (HF Mixtral / Qwen3-MoE blocks are converted automatically)"
+        )
+    for moe in moes[:1]:
+        if moe.num_experts % plan.ep:
+            problems.append(
+                f"ep={plan.ep}: each expert-parallel rank holds num_experts/ep experts, and {plan.ep} does not "
+                f"divide num_experts={moe.num_experts}; fix: an ep dividing {moe.num_experts}"
+            )
+    if moes and plan.tp > 1 and not plan.sequence_parallel:
+        problems.append(
+            f"tp={plan.tp} with MoE layers needs sequence_parallel=true: TP ranks route their own sequence shard "
+            f"(experts are never split by TP); fix: sequence_parallel=true"
+        )
+    if problems:
+        raise PlanError("Plan is invalid:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list) -> DeviceMesh:
+    """Shard experts over ep (folded into dp_shard x cp); return the mesh FSDP shards experts over."""
+    ep_mesh, outer = mesh_lib.expert_axes(mesh, plan.ep)
+    load_group = mesh_lib.axis(mesh, "dp_cp_tp").get_group()
+    for moe in moes:
+        if plan.ep > 1:
+            apply_expert_parallel(moe, ep_mesh, load_group=load_group)
+        else:
+            moe.load_group = load_group
+        # Each microbatch's aux loss is a whole batch's worth; the step's is their mean.
+        moe.aux_loss_scale = 1.0 / plan.microbatches
+    return mesh_lib.expert_fsdp_mesh(mesh, outer)
 
 
 def _pipeline_layout(plan: Plan, mesh: DeviceMesh, num_layers: int) -> tuple[list[range], list[int]]:

@@ -28,12 +28,6 @@ CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 DTYPES = ("float32", "bfloat16", "float16")
 
-# Axes this version implements above degree 1; the others are refused by `validate` with the reason.
-_NOT_YET = {
-    "ep": "expert parallelism is not implemented yet (tracked as the expert-parallel issue)",
-}
-
-
 class PlanError(ValueError):
     """A plan that cannot run; the message lists every violation with its fix."""
 
@@ -148,11 +142,14 @@ class Plan:
                     f"{plan.pp}*{plan.dp_replicate}*{plan.dp_shard}*{plan.cp}*{plan.tp} = {plan.world_size} "
                     f"processes; fix: launch `torchrun --nproc-per-node {plan.world_size}` or set dp_shard=-1"
                 )
-        for axis, why in _NOT_YET.items():
-            if getattr(plan, axis) > 1:
-                problems.append(f"{axis}={getattr(plan, axis)}: {why}; fix: set {axis}=1")
         problems += _check_cp(plan)
         problems += _check_pp(plan)
+        if (plan.dp_shard * plan.cp) % plan.ep:
+            problems.append(
+                f"ep={plan.ep}: expert parallelism folds over dp_shard x cp = {plan.dp_shard * plan.cp} ranks and must "
+                f"divide it (it never adds ranks of its own); fix: ep in "
+                f"{[d for d in range(1, plan.dp_shard * plan.cp + 1) if (plan.dp_shard * plan.cp) % d == 0]}"
+            )
         if plan.param_dtype == "float32" and plan.reduce_dtype != "float32":
             problems.append(
                 f"reduce_dtype={plan.reduce_dtype!r} with param_dtype='float32': reducing in lower precision "
@@ -389,6 +386,12 @@ def _check_model(plan: Plan, config: Any) -> list[str]:
                 f"fix: untie them before parallelize (model.config.tie_word_embeddings = False; "
                 f"model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone()))"
             )
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if plan.ep > 1 and experts and experts % plan.ep:
+        problems.append(
+            f"ep={plan.ep}: each expert-parallel rank holds num_experts/ep experts, and {plan.ep} does not divide "
+            f"num_experts={experts}; fix: ep in {[d for d in range(1, experts + 1) if experts % d == 0]}"
+        )
     degree = plan.ulysses_degree
     if plan.cp > 1 and degree > 1 and (heads // tp) % degree:
         problems.append(

@@ -55,6 +55,10 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
             )
         elif role == "mlp":
             styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        elif role == "moe":
+            # Each TP rank routes its own sequence shard: no gather, no duplicated tokens.
+            styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,),
+                                              use_local_output=True)
     return styles
 
 
@@ -113,3 +117,17 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
         grad = param.grad
         if grad is not None and any(pl.is_partial() for pl in grad.placements):
             param.grad = grad.redistribute(placements=param.placements)
+
+
+def reduce_plain_grads(params: list[nn.Parameter], tp_group) -> None:
+    """Sum over tp the gradients of weights TP leaves whole but feeds different tokens (MoE layers).
+
+    Under sequence parallelism each TP rank routes its own tokens through the same router, shared
+    expert and experts, so each rank's gradient is a partial sum.
+    """
+    import torch.distributed as dist
+
+    for param in params:
+        if param.grad is not None:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=tp_group)

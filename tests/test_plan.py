@@ -72,9 +72,12 @@ def test_sequence_parallel_needs_divisible_seq_len():
     Plan(tp=4, sequence_parallel=False).validate(_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4), 4, 10)
 
 
-def test_expert_parallelism_is_refused_with_reason():
-    with pytest.raises(ValueError, match="ep=2: .*not implemented"):
-        Plan(ep=2, dp_shard=2).validate(world_size=2)
+def test_expert_parallelism_folds_over_data_and_context_ranks():
+    assert Plan(ep=4, dp_shard=2, cp=2).validate(world_size=4).world_size == 4  # ep adds no ranks
+    with pytest.raises(ValueError, match=r"ep=3: expert parallelism folds over dp_shard x cp = 4"):
+        Plan(ep=3, dp_shard=4).validate(world_size=4)
+    with pytest.raises(ValueError, match="does not divide num_experts=6"):
+        Plan(ep=4, dp_shard=4).validate(_config(num_local_experts=6), world_size=4)
 
 
 def test_pipeline_options_are_checked():

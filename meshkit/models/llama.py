@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshkit.expert_parallel import MoE
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Role of each layer inside a decoder block, by HF name relative to the block.
@@ -88,9 +90,27 @@ def parts(model: nn.Module) -> CausalLMParts:
 
 
 def block_roles(block: nn.Module) -> dict[str, str]:
-    """Role of each layer that exists in this block (Qwen3 adds head norms, Llama has none)."""
+    """Role of each layer that exists in this block (Qwen3 adds head norms, Llama has none).
+
+    A block whose MLP is a meshkit `MoE` has the role "moe" for it and no MLP linears: its experts
+    are split by expert parallelism, never by TP, and TP ranks route their own sequence shard.
+    """
     present = dict(block.named_modules())
-    return {name: role for name, role in BLOCK_ROLES.items() if name in present}
+    roles = {name: role for name, role in BLOCK_ROLES.items() if name in present}
+    if isinstance(getattr(block, "mlp", None), MoE):
+        roles = {name: role for name, role in roles.items() if not name.startswith("mlp")}
+        roles["mlp"] = "moe"
+    return roles
+
+
+def has_moe(block: nn.Module) -> bool:
+    """Whether the block's MLP is a meshkit MoE."""
+    return isinstance(getattr(block, "mlp", None), MoE)
+
+
+def moe_modules(parts: CausalLMParts) -> list[MoE]:
+    """The meshkit MoE layers of the model's blocks (empty for a dense model)."""
+    return [block.mlp for block in parts.blocks if isinstance(getattr(block, "mlp", None), MoE)]
 
 
 def sliding_window_in_effect(config) -> int | None:

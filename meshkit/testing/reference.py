@@ -38,6 +38,10 @@ class ModelSpec:
     vocab: int = 64
     tied: bool = False
     seed: int = 0
+    experts: int = 0        # > 0: every MLP replaced by a meshkit MoE (a "Llama-MoE")
+    top_k: int = 2
+    shared_expert: int = 0  # intermediate size of the MoE's shared expert (0: none)
+    bias_update_rate: float = 0.0  # > 0: DeepSeek-V3 router-bias balancing
 
     def config(self):
         cfg_cls, _ = MODEL_CLASSES[self.kind]
@@ -53,6 +57,13 @@ class ModelSpec:
         torch.manual_seed(self.seed)
         with torch.device(device):
             model = model_cls(self.config())
+            if self.experts:
+                from meshkit.expert_parallel import MoE
+
+                for block in model.model.layers:
+                    block.mlp = MoE(self.heads * self.head_dim, self.intermediate, self.experts, self.top_k,
+                                    shared_intermediate_size=self.shared_expert,
+                                    bias_update_rate=self.bias_update_rate)
         model.config._attn_implementation = "sdpa"
         return model
 
