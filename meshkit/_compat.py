@@ -148,3 +148,17 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose axes are those of `meshes` (all derived from the same root), e.g. the HSDP mesh
     (dp_replicate, dp_shard_mod_ep) that FSDP shards expert weights over; `DeviceMesh._concatenate`."""
     return DeviceMesh._concatenate(meshes)
+
+
+def torch_context_parallel():
+    """torch's experimental CP, benchmarked against meshkit's: (`context_parallel`, `set_rotate_method`);
+    the latter lives only under the private `_attention` module in 2.11-2.13."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    return context_parallel, set_rotate_method
+
+
+def op_schema_arguments(op):
+    """An op overload's schema arguments (`OpOverload._schema`): to read flags passed either way."""
+    return op._schema.arguments
