@@ -27,11 +27,14 @@ from meshkit.expert_parallel import update_expert_biases
 from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.mesh import axis
 from meshkit.models import llama
+from meshkit.models import moe as moe_models
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.plan import Plan
 from meshkit.tensor_parallel import loss_context, reduce_partial_grads, reduce_plain_grads, replicated_params
+
+MESHKIT_ONLY_BUFFERS = (".expert_bias", ".load_counts_E")
 
 
 class LocalBatch(NamedTuple):
@@ -65,6 +68,8 @@ class ParallelModel:
         self._vocab = model.config.vocab_size
         self._reduce_tp_grads = reduce_tp_grads
         self._tp_summed_params = tp_summed_params or []
+        # HF MoE models add their load-balancing loss only when the config asks (output_router_logits).
+        self._hf_aux = bool(getattr(model.config, "output_router_logits", False)) and moe_models.is_moe_model(model)
 
     # ---------------------------------------------------------------- data
     @property
@@ -131,6 +136,7 @@ class ParallelModel:
         """
         batch = self._prepare(input_ids, labels, position_ids)
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
+        aux = None
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
                 share = self._pipeline_step(batch, denominator)
@@ -138,12 +144,25 @@ class ParallelModel:
                 (stage,) = self.model_parts
                 logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
                 share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
-                share.backward()
+                aux = moe_models.hf_aux_loss(self.model) if self._hf_aux else None
+                if aux is None:
+                    share.backward()
+                else:
+                    # HF adds coef * load-balancing loss per forward; weighted by this call's share of
+                    # the window's tokens it stays the token-weighted mean under accumulation.
+                    aux = aux * (batch.valid_tokens / denominator)
+                    torch.autograd.backward([share, aux])
         if self._reduce_tp_grads:
             reduce_partial_grads(replicated_params(self.model_parts))
         if self._tp_summed_params:
             reduce_plain_grads(self._tp_summed_params, axis(self.mesh, "tp").get_group())
-        return self._global_loss(share)
+        loss = self._global_loss(share)
+        if self._schedule is None and aux is not None:
+            # Each rank's aux is its share of the global one, summed over every token-splitting rank.
+            aux = aux.detach().float().clone()
+            dist.all_reduce(aux, group=axis(self.mesh, "dp_cp_tp").get_group())
+            loss = loss + aux
+        return loss
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
@@ -318,7 +337,8 @@ class ParallelModel:
         every = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         every.update(dict(self.model.named_buffers()))
         expected = set(every) - _non_persistent(self.model)
-        missing = sorted(expected - set(state_dict))
+        # meshkit's router-bias buffers are not in HF checkpoints: missing ones keep their zeros.
+        missing = sorted(k for k in expected - set(state_dict) if not k.endswith(MESHKIT_ONLY_BUFFERS))
         unexpected = sorted(set(state_dict) - expected)
         if strict and (missing or unexpected):
             raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
@@ -356,6 +376,7 @@ class ParallelModel:
             return
         for part in self.model_parts:
             part.to_empty(device=self.device)
+            moe_models.init_moe_buffers(part, self.device)  # balancing buffers are not parameters
         llama.reset_rotary(llama.parts(self.model).rotary, self.device)
 
 

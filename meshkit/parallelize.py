@@ -22,6 +22,7 @@ from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel import hf as cp_hf
 from meshkit.expert_parallel import apply_expert_parallel
 from meshkit.models import llama
+from meshkit.models import moe as moe_models
 from meshkit.parallel_model import ParallelModel
 from meshkit.pipeline import stage as pipeline_stage
 from meshkit.plan import Plan, PlanError
@@ -38,11 +39,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     if not isinstance(plan, Plan):
         raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
     llama.check_supported(model)
+    if moe_models.is_moe_model(model):
+        moe_models.convert_moe_blocks(model)  # HF sparse blocks -> meshkit MoE, same Parameter objects
     if mesh is None:
         mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
     plan = plan.validate(model.config, world)
-    _check_moe(plan, llama.moe_modules(llama.parts(model)))
+    _check_moe(plan, llama.moe_modules(llama.parts(model)), model.config)
     if mesh is None:
         mesh = mesh_lib.init_mesh(plan)
     else:
@@ -103,9 +106,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
                          tp_summed_params=tp_summed)
 
 
-def _check_moe(plan: Plan, moes: list) -> None:
+def _check_moe(plan: Plan, moes: list, config) -> None:
     """MoE rules the config alone cannot show; raised on every rank before any collective."""
     problems = []
+    if moes and plan.pp > 1 and getattr(config, "output_router_logits", False):
+        problems.append(
+            f"pp={plan.pp} with output_router_logits=true: HF's auxiliary loss pools router statistics over all "
+            f"layers, which pipelining puts on different ranks; fix: config.output_router_logits=false (and, "
+            f"for balancing, a per-layer aux_loss_coef or bias_update_rate on the MoE layers)"
+        )
     if plan.ep > 1 and not moes:
         problems.append(
             f"ep={plan.ep}: the model has no meshkit MoE layers to shard; fix: ep=1, or swap its MLPs for "

@@ -386,7 +386,10 @@ def _check_model(plan: Plan, config: Any) -> list[str]:
                 f"fix: untie them before parallelize (model.config.tie_word_embeddings = False; "
                 f"model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone()))"
             )
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    from meshkit.models.moe import moe_spec
+
+    spec = moe_spec(config)
+    experts = spec.num_experts if spec is not None else None
     if plan.ep > 1 and experts and experts % plan.ep:
         problems.append(
             f"ep={plan.ep}: each expert-parallel rank holds num_experts/ep experts, and {plan.ep} does not divide "

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tests_support import assert_matches_reference
+from torch.distributed.tensor import DTensor
 
 import meshkit
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
@@ -118,3 +119,38 @@ def test_router_bias_updates_are_identical_on_every_rank(dist):
     results = dist(4).run(_bias_updates)
     assert all(r == results[0] for r in results)
     assert any(v != 0 for layer in results[0] for v in layer)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("plan", ["dp_shard=4,ep=2", "dp_shard=2,tp=2,ep=2", "dp_shard=2,cp=2,ep=4,cp_attention=ulysses"])
+def test_hf_moe_models_match_the_unconverted_hf_model(dist, kind, plan):
+    # The reference is HF's own model with its own sparse blocks; the sharded copy is converted.
+    model = dataclasses.replace(MOE, kind=kind)
+    degrees = meshkit.Plan.from_string(plan)
+    batch = BatchSpec(batch=2 * degrees.dp_shard, seq=8)
+    results = dist(4).run(_compare_on_rank, plan, model, batch)
+    assert_matches_reference(results, f"{kind} {plan}")
+
+
+def _aux_loss(kind: str) -> tuple[float, float]:
+    spec = dataclasses.replace(MOE, kind=kind)
+    ref, model = spec.build(), spec.build()
+    for m in (ref, model):
+        m.config.output_router_logits = True
+        m.config.router_aux_loss_coef = m.router_aux_loss_coef = 0.05  # HF reads it once, at construction
+    ids, labels = BatchSpec(batch=4, seq=8).make(spec.vocab)
+    ref_loss = ref(input_ids=ids, labels=labels, use_cache=False).loss
+    pm = meshkit.parallelize(model, meshkit.Plan(dp_shard=4, ep=2))
+    mine = slice(pm.dp_rank, pm.dp_rank + 1)
+    loss = pm.forward_backward(ids[mine], labels[mine])
+    ref_loss.backward()
+    refp = dict(ref.named_parameters())
+    err = max(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - refp[n].grad).abs().max().item()
+              for n, p in pm.named_parameters())
+    return abs(loss.item() - ref_loss.item()), err
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_hf_auxiliary_loss_when_the_config_asks_for_it(dist, kind):
+    for loss_err, grad_err in dist(4).run(_aux_loss, kind):
+        assert loss_err < 1e-5 and grad_err < 2e-6, (loss_err, grad_err)

@@ -3,8 +3,9 @@
 This is the only module that knows Hugging Face module names. Everything else asks it for the parts
 of a causal LM (embedding, decoder blocks, final norm, LM head, rotary embedding) and for the *role*
 of each layer inside a block (column- or row-parallel linear, sequence-parallel norm, ...), and turns
-roles into parallel styles itself. Llama, Mistral, Qwen2 (attention biases) and Qwen3 (per-head q/k
-RMSNorm) share these names.
+roles into parallel styles itself. Llama, Mistral, Qwen2 (attention biases), Qwen3 (per-head q/k
+RMSNorm) and the MoE models Mixtral and Qwen3-MoE (whose sparse blocks `models/moe.py` converts into
+meshkit MoE layers first) share these names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from meshkit.expert_parallel import MoE
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 # Role of each layer inside a decoder block, by HF name relative to the block.
 #   colwise / rowwise : linear layers split on output / input features under TP
@@ -118,7 +119,8 @@ def sliding_window_in_effect(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3", "qwen3_moe") and not getattr(
+            config, "use_sliding_window", False):
         return None
     return int(window)
 

@@ -22,7 +22,10 @@ MODEL_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
+HF_MOE_KINDS = ("mixtral", "qwen3_moe")
 
 
 @dataclass
@@ -38,18 +41,24 @@ class ModelSpec:
     vocab: int = 64
     tied: bool = False
     seed: int = 0
-    experts: int = 0        # > 0: every MLP replaced by a meshkit MoE (a "Llama-MoE")
+    experts: int = 0        # > 0: every MLP replaced by a meshkit MoE (a "Llama-MoE"); HF MoE kinds: their experts
     top_k: int = 2
     shared_expert: int = 0  # intermediate size of the MoE's shared expert (0: none)
     bias_update_rate: float = 0.0  # > 0: DeepSeek-V3 router-bias balancing
 
     def config(self):
         cfg_cls, _ = MODEL_CLASSES[self.kind]
+        extra = {}
+        if self.kind == "mixtral":
+            extra = dict(num_local_experts=self.experts, num_experts_per_tok=self.top_k)
+        elif self.kind == "qwen3_moe":
+            extra = dict(num_experts=self.experts, num_experts_per_tok=self.top_k, norm_topk_prob=True,
+                         moe_intermediate_size=self.intermediate, decoder_sparse_step=1, mlp_only_layers=[])
         return cfg_cls(
             hidden_size=self.heads * self.head_dim, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, vocab_size=self.vocab, max_position_embeddings=256,
-            tie_word_embeddings=self.tied, attention_dropout=0.0,
+            tie_word_embeddings=self.tied, attention_dropout=0.0, **extra,
         )
 
     def build(self, device: str = "cpu"):
@@ -57,7 +66,7 @@ class ModelSpec:
         torch.manual_seed(self.seed)
         with torch.device(device):
             model = model_cls(self.config())
-            if self.experts:
+            if self.experts and self.kind not in HF_MOE_KINDS:
                 from meshkit.expert_parallel import MoE
 
                 for block in model.model.layers:

@@ -1,0 +1,315 @@
+"""Mixture-of-experts models as meshkit sees them: HF sparse blocks become `meshkit.MoE`, in place.
+
+Like `llama.py`, this is a module that knows Hugging Face names; the rest of meshkit only ever sees
+`MoE` layers. Two kinds of model qualify:
+
+- **HF MoE models** (`mixtral`, `qwen3_moe`): each decoder block's `mlp` is a sparse block with a
+  `gate` router ([E, H] weight) and fused `experts` (`gate_up_proj` [E, 2I, H], `down_proj`
+  [E, H, I]; Qwen3-MoE keeps dense `Qwen3MoeMLP`s in `mlp_only_layers`). `convert_moe_blocks`
+  replaces each sparse block with an `MoE` that holds *the same Parameter objects* (no copy, works on
+  the meta device) under the same names, so `model.state_dict()` keeps exactly HF's keys, shapes and
+  dtypes and checkpoints load and save with HF's own code.
+- **Llama-MoE** (meshkit's debug model): a Llama-family config carrying a `meshkit_moe` dict (e.g.
+  `{"num_experts": 8, "top_k": 2}`); `llama_moe` (or `convert_moe_blocks`, which reads the dict)
+  swaps every dense MLP for an `MoE`. The dict travels in `config.json`, so a saved model says how to
+  rebuild itself.
+
+Why conversion is lossless: HF routes with softmax over fp32 probabilities, top-k, then renormalises
+(Mixtral always, Qwen3-MoE when `norm_topk_prob`); `MoE` does the same with `score_func="softmax"`
+and `normalize_topk` from the config. HF computes the router logits in the model dtype and meshkit in
+fp32: identical for fp32 models, a documented difference for bf16 ones.
+
+Why the auxiliary loss needs care: HF adds `router_aux_loss_coef * load_balancing_loss` to the loss
+only when `output_router_logits` is true, and its loss pools counts and probabilities over *all*
+layers before the product, which no per-layer loss reproduces. So a converted layer attaches no loss
+of its own; it keeps its router statistics (`keep_router_stats`) exactly when the config asks for the
+loss, and `hf_aux_loss(model)` turns them into HF's term, this rank's share of the global batch's,
+for the training loop to add. A converted model called through HF's own `forward` still yields HF's
+loss: a forward hook feeds HF's output collector the router logits its loss function expects.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshkit.expert_parallel import MoE, hf_load_balancing_loss, moe_layers, pop_router_stats
+
+__all__ = [
+    "MoESpec",
+    "convert_moe_blocks",
+    "hf_aux_loss",
+    "init_moe_buffers",
+    "is_moe_model",
+    "llama_moe",
+        "moe_layers",
+    "moe_spec",
+    "to_hf_state_dict",
+]
+
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+LLAMA_MOE_KEY = "meshkit_moe"  # config attribute that turns a Llama-family model into a Llama-MoE
+
+# HF sparse-block class -> (config field holding E, config flag to renormalise top-k; None: always)
+_HF_BLOCKS: dict[str, tuple[str, str | None]] = {
+    "MixtralSparseMoeBlock": ("num_local_experts", None),
+    "Qwen3MoeSparseMoeBlock": ("num_experts", "norm_topk_prob"),
+}
+# Options a caller may set on converted layers; anything else would change what the layer computes
+# in ways HF's weights know nothing about (shared experts, sigmoid scores).
+_CONVERT_OPTIONS = ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "expert_backend")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a model config says about its experts; what `Plan.validate` and FLOP counts need."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layers: tuple[int, ...]  # indices of the decoder blocks that are MoE
+
+
+def moe_spec(config: Any) -> MoESpec | None:
+    """The experts a config describes (HF MoE or Llama-MoE), or None for a dense model."""
+    model_type = getattr(config, "model_type", None)
+    n_layers = int(getattr(config, "num_hidden_layers", 0))
+    if model_type == "mixtral":
+        return MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                       tuple(range(n_layers)))
+    if model_type == "qwen3_moe":
+        step, dense = max(int(config.decoder_sparse_step), 1), set(config.mlp_only_layers or ())
+        layers = tuple(i for i in range(n_layers) if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
+        return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, layers)
+    options = getattr(config, LLAMA_MOE_KEY, None)
+    if options:
+        opts = _llama_moe_options(options)
+        layers = opts.get("layers")
+        return MoESpec(opts["num_experts"], opts["top_k"], opts.get("intermediate_size") or config.intermediate_size,
+                       tuple(range(n_layers)) if layers is None else tuple(layers))
+    return None
+
+
+def is_moe_model(model: nn.Module) -> bool:
+    """True when the model has meshkit MoE layers, HF sparse blocks, or a config that asks for experts."""
+    if moe_spec(getattr(model, "config", None)) is not None:
+        return True
+    return any(isinstance(m, MoE) or type(m).__name__ in _HF_BLOCKS for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------ HF models
+
+
+def convert_moe_blocks(model: nn.Module, **options: Any) -> list[MoE]:
+    """Replace every HF sparse MoE block (or, for a Llama-MoE config, every dense MLP) by an `MoE`.
+
+    In place and idempotent: blocks already converted are kept as they are. Returns the model's MoE
+    layers in block order. `options` (`capacity_factor`, `aux_loss_coef`, `z_loss_coef`,
+    `bias_update_rate`, `expert_backend`) apply to newly converted HF blocks; the defaults reproduce
+    HF's outputs and loss. Raises ValueError for HF settings meshkit does not reproduce.
+    """
+    unknown = sorted(set(options) - set(_CONVERT_OPTIONS))
+    if unknown:
+        raise ValueError(f"convert_moe_blocks: unknown option(s) {unknown}; known: {list(_CONVERT_OPTIONS)}")
+    config = getattr(model, "config", None)
+    llama_options = getattr(config, LLAMA_MOE_KEY, None)
+    if llama_options and not any(type(m).__name__ in _HF_BLOCKS for m in model.modules()):
+        return llama_moe(model, **{**_llama_moe_options(llama_options), **options})
+    for block in _decoder_blocks(model):
+        mlp = getattr(block, "mlp", None)
+        if mlp is not None and type(mlp).__name__ in _HF_BLOCKS:
+            block.mlp = _convert_hf_block(mlp, config, **options)
+    return moe_layers(model)
+
+
+def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers: not a decoder-only causal LM meshkit knows")
+    return list(layers)
+
+
+def _check_hf_config(config: Any) -> None:
+    problems = []
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config.hidden_act!r}: meshkit experts are SwiGLU; fix: use a silu model")
+    if getattr(config, "router_jitter_noise", 0.0):
+        problems.append(f"router_jitter_noise={config.router_jitter_noise}: meshkit's router adds no noise; "
+                        "fix: set config.router_jitter_noise = 0.0 before converting")
+    if problems:
+        raise ValueError("cannot convert the MoE blocks losslessly:\n  - " + "\n  - ".join(problems))
+
+
+def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
+    """One HF sparse block -> an `MoE` owning the block's own Parameters (no copy; meta stays meta)."""
+    _check_hf_config(config)
+    experts_field, norm_field = _HF_BLOCKS[type(block).__name__]
+    router_weight: nn.Parameter = block.gate.weight
+    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    if getattr(block.experts, "is_transposed", False):  # not Mixtral / Qwen3-MoE; would need from_hf_layout
+        raise ValueError(f"{type(block).__name__} stores transposed experts, which this adapter does not map")
+    num_experts, hidden = router_weight.shape
+    if num_experts != getattr(config, experts_field):
+        raise ValueError(f"{type(block).__name__}: router has {num_experts} experts, config.{experts_field}="
+                         f"{getattr(config, experts_field)}")
+    inter = down.shape[-1]
+    moe = MoE(hidden, inter, num_experts, config.num_experts_per_tok, score_func="softmax",
+              normalize_topk=True if norm_field is None else bool(getattr(config, norm_field)),
+              aux_loss_coef=options.get("aux_loss_coef", 0.0), z_loss_coef=options.get("z_loss_coef", 0.0),
+              bias_update_rate=options.get("bias_update_rate", 0.0),
+              capacity_factor=options.get("capacity_factor"), expert_backend=options.get("expert_backend", "auto"),
+              init_std=getattr(config, "initializer_range", 0.02), device="meta", dtype=gate_up.dtype)
+    # The block's own Parameters: HF 5.x's fused layout is already GroupedExperts' (from_hf_layout is
+    # the identity for these models), and optimizer/FSDP references to them stay valid.
+    moe.gate.weight = router_weight
+    moe.experts.gate_up_proj, moe.experts.down_proj = gate_up, down
+    init_moe_buffers(moe, router_weight.device)
+    moe.keep_router_stats = bool(getattr(config, "output_router_logits", False))
+    moe.register_forward_hook(_feed_hf_router_logits)
+    return moe
+
+
+@functools.cache
+def _hf_collector_var() -> Any:
+    """transformers' private context variable holding the active output collector (what
+    `output_router_logits=True` fills), or None where transformers has none.
+
+    transformers records router logits with forward hooks on its router class, which a converted
+    model no longer has; this variable is the one place its loss function reads them back from.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - a transformers without it: HF's forward records no logits
+        return None
+    return _active_collector
+
+
+def _feed_hf_router_logits(moe: MoE, args: tuple, output: Tensor) -> None:
+    """Give HF's `load_balancing_loss_func` the router logits HF's router would have recorded.
+
+    Only when HF's own forward collects them (meshkit's training path never does): one extra router
+    matmul, in the model dtype as HF computes it.
+    """
+    var = _hf_collector_var()
+    collected = None if var is None else var.get()
+    if collected is None or "router_logits" not in collected:
+        return
+    x_TH = args[0].reshape(-1, moe.hidden_size)
+    collected["router_logits"].append(F.linear(x_TH, moe.gate.weight.to(x_TH.dtype)))
+
+
+def hf_aux_loss(model: nn.Module) -> Tensor | None:
+    """HF's auxiliary term `router_aux_loss_coef * load_balancing_loss` of the last training forward.
+
+    None unless the config asks for it (`output_router_logits`). This rank's share: counts are the
+    global batch's (summed over each layer's `load_group`), probabilities this rank's, so the shares
+    sum over the load group to HF's value on the global batch. Pops the stored statistics, so call
+    it once per forward; add it to the loss before backward.
+    """
+    stats = pop_router_stats(model)
+    config = getattr(model, "config", None)
+    if not stats or not getattr(config, "output_router_logits", False):
+        return None
+    return getattr(config, "router_aux_loss_coef", 0.0) * hf_load_balancing_loss(stats)
+
+
+def to_hf_state_dict(state_dict: dict[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """A converted HF model's state dict with exactly HF's keys (shapes and layout already are HF's).
+
+    Converted names are HF's; the one thing to drop is meshkit-only state: DeepSeek-V3's
+    `expert_bias` (only present with `bias_update_rate > 0`), for which Mixtral / Qwen3-MoE have no
+    slot. Llama-MoE state dicts are returned as they are: there is no HF class to map them to.
+    """
+    if _is_llama_moe(config) or getattr(config, "model_type", None) not in MOE_MODEL_TYPES:
+        return dict(state_dict)
+    return {k: v for k, v in state_dict.items() if not k.endswith(".expert_bias")}
+
+
+def init_moe_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """Set the MoE balancing buffers (DeepSeek-V3 `expert_bias`, its load counts) to their initial zeros.
+
+    For meta-device models: after `to_empty` they hold garbage, and no HF init knows them (they are
+    not HF's), so whoever initialises parameters calls this too; a checkpoint's `expert_bias`, if any,
+    loads afterwards. Buffers still on meta are replaced on `device` (left alone without one).
+    """
+    for moe in [module] if isinstance(module, MoE) else moe_layers(module):
+        for name, dtype in (("expert_bias", torch.float32), ("load_counts_E", torch.int64)):
+            buf = getattr(moe, name, None)
+            if buf is None:
+                continue
+            if not buf.is_meta:
+                buf.zero_()
+            elif device is not None and torch.device(device).type != "meta":
+                setattr(moe, name, torch.zeros(moe.num_experts, dtype=dtype, device=device))
+
+
+# ------------------------------------------------------------------------------------ Llama-MoE
+
+
+def _is_llama_moe(config: Any) -> bool:
+    return bool(getattr(config, LLAMA_MOE_KEY, None)) and getattr(config, "model_type", None) not in MOE_MODEL_TYPES
+
+
+def _llama_moe_options(options: Any) -> dict[str, Any]:
+    """The `meshkit_moe` dict, checked: a typo must fail with the field's name, not a TypeError."""
+    opts = dict(options)
+    missing = [k for k in ("num_experts", "top_k") if k not in opts]
+    known = {"num_experts", "top_k", "intermediate_size", "layers"} | (
+        set(inspect.signature(MoE.__init__).parameters) - {"self", "hidden_size", "device", "dtype"})
+    unknown = sorted(set(opts) - known)
+    if missing or unknown:
+        raise ValueError(f"config.{LLAMA_MOE_KEY}={opts!r}: " + "; ".join(
+            ([f"lacks {missing}"] if missing else []) + ([f"unknown keys {unknown}"] if unknown else []))
+            + f"; known keys: {sorted(known)}; e.g. {LLAMA_MOE_KEY} = {{num_experts = 8, top_k = 2}}")
+    return opts
+
+
+def llama_moe(model: nn.Module, num_experts: int, top_k: int, *, intermediate_size: int | None = None,
+              layers: Iterable[int] | None = None, upcycle: bool = False, **moe_kwargs: Any) -> list[MoE]:
+    """Swap the dense SwiGLU MLPs of a Llama-family model for `MoE` layers: meshkit's debug MoE model.
+
+    `intermediate_size` per expert defaults to the dense one; `layers` (default all) picks the blocks;
+    `moe_kwargs` go to `MoE` (`score_func`, `shared_intermediate_size`, `aux_loss_coef`,
+    `bias_update_rate`, ...). `upcycle=True` copies each dense MLP into every expert (sparse
+    upcycling), so the converted model computes exactly the dense one until training moves them
+    apart; otherwise experts and router are drawn like HF draws linears (normal, `initializer_range`).
+    The options are recorded in `config.meshkit_moe`, so `convert_moe_blocks` rebuilds the same model
+    from a saved config. Idempotent: blocks whose `mlp` already is an `MoE` are left alone.
+    """
+    config = model.config
+    inter = intermediate_size or config.intermediate_size
+    chosen = None if layers is None else sorted(set(layers))
+    recorded = {"num_experts": num_experts, "top_k": top_k, **moe_kwargs}
+    if intermediate_size is not None:
+        recorded["intermediate_size"] = intermediate_size
+    if chosen is not None:
+        recorded["layers"] = chosen
+    setattr(config, LLAMA_MOE_KEY, recorded)
+    moe_kwargs.setdefault("init_std", getattr(config, "initializer_range", 0.02))
+    for i, block in enumerate(_decoder_blocks(model)):
+        mlp = block.mlp
+        if isinstance(mlp, MoE) or (chosen is not None and i not in chosen):
+            continue
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"llama_moe: block {i}'s mlp ({type(mlp).__name__}) is not a SwiGLU MLP")
+        if upcycle and inter != mlp.gate_proj.out_features:
+            raise ValueError(f"llama_moe: upcycle copies the dense MLP, so intermediate_size={inter} must equal "
+                             f"the dense {mlp.gate_proj.out_features}; fix: drop intermediate_size")
+        weight = mlp.gate_proj.weight
+        moe = MoE(config.hidden_size, inter, num_experts, top_k, device=weight.device, dtype=weight.dtype,
+                  **moe_kwargs)
+        if upcycle:
+            with torch.no_grad():
+                dense_gate_up_2IH = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                moe.experts.gate_up_proj.copy_(dense_gate_up_2IH.expand(num_experts, -1, -1))
+                moe.experts.down_proj.copy_(mlp.down_proj.weight.expand(num_experts, -1, -1))
+        block.mlp = moe
+    return moe_layers(model)
