@@ -89,8 +89,20 @@ def block_params(config: Any) -> int:
 
 
 def nonembedding_params(config: Any) -> int:
-    """`N_nonembedding`: blocks + final norm + LM head (counted even when tied, see module doc)."""
-    return config.num_hidden_layers * block_params(config) + config.hidden_size + config.hidden_size * config.vocab_size
+    """`N_nonembedding`: blocks + final norm + LM head (counted even when tied, see module doc).
+
+    For MoE configs only the *active* parameters count (router, and top_k of num_experts experts in
+    each MoE block): they are what a token's FLOPs touch, which is what MFU measures.
+    """
+    from meshkit.models.moe import moe_spec
+
+    total = config.num_hidden_layers * block_params(config) + config.hidden_size + config.hidden_size * config.vocab_size
+    spec = moe_spec(config)
+    if spec is not None:
+        dense_mlp = 3 * config.hidden_size * config.intermediate_size
+        active = spec.top_k * 3 * config.hidden_size * spec.intermediate_size + spec.num_experts * config.hidden_size
+        total += len(spec.layers) * (active - dense_mlp)
+    return total
 
 
 def count_nonembedding_params(model: torch.nn.Module) -> int:

@@ -289,3 +289,20 @@ def test_lr_schedule_warms_up_then_decays(recipe) -> None:
     assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert all(x >= y for x, y in zip(lrs[3:], lrs[4:]))
     assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+
+
+def test_moe_flops_count_active_experts_only():
+    """With top_k == num_experts every expert is active: the count equals the model's parameters."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from meshkit.metrics import count_nonembedding_params, nonembedding_params
+
+    def config(k):
+        return MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=64, num_local_experts=4, num_experts_per_tok=k)
+
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config(4))
+    assert nonembedding_params(config(4)) == count_nonembedding_params(model)
+    per_expert = 3 * 32 * 48
+    assert nonembedding_params(config(4)) - nonembedding_params(config(1)) == 2 * 3 * per_expert
