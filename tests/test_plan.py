@@ -76,8 +76,12 @@ def test_expert_parallelism_folds_over_data_and_context_ranks():
     assert Plan(ep=4, dp_shard=2, cp=2).validate(world_size=4).world_size == 4  # ep adds no ranks
     with pytest.raises(ValueError, match=r"ep=3: expert parallelism folds over dp_shard x cp = 4"):
         Plan(ep=3, dp_shard=4).validate(world_size=4)
+    from transformers import MixtralConfig
+
+    mixtral = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, num_local_experts=6)
     with pytest.raises(ValueError, match="does not divide num_experts=6"):
-        Plan(ep=4, dp_shard=4).validate(_config(num_local_experts=6), world_size=4)
+        Plan(ep=4, dp_shard=4).validate(mixtral, world_size=4)
 
 
 def test_pipeline_options_are_checked():
