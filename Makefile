@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshkit-installed-$(TORCH)
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo demo-5d test lint bench clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 demo: venv
 	$(VENV)/bin/torchrun --nproc-per-node 8 recipes/train_llama.py --config recipes/configs/debug_cpu.toml
+
+# All five axes at once (pp x dp_shard x cp x tp, ep folded over dp_shard x cp) on 16 processes.
+demo-5d: venv
+	$(VENV)/bin/torchrun --nproc-per-node 16 recipes/train_llama.py --config recipes/configs/demo_5d_cpu.toml
 
 test: venv
 	$(PY) -m pytest -q
