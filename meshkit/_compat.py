@@ -162,3 +162,12 @@ def torch_context_parallel():
 def op_schema_arguments(op):
     """An op overload's schema arguments (`OpOverload._schema`): to read flags passed either way."""
     return op._schema.arguments
+
+
+def dtensor_chunks(tensor):
+    """The (offsets, sizes) chunks of the global tensor this rank's DTensor shard covers.
+
+    `DTensor.__create_chunk_list__` is the protocol DCP itself uses; it handles every placement,
+    _StridedShard (FSDP over TP) included, which a hand-written offset computation would not.
+    """
+    return tensor.__create_chunk_list__()

@@ -333,7 +333,7 @@ class ParallelModel:
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy full (unsharded) tensors into this rank's shards; each rank slices what it holds, no traffic."""
-        self._materialise()
+        self.materialise()
         every = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         every.update(dict(self.model.named_buffers()))
         expected = set(every) - _non_persistent(self.model)
@@ -346,6 +346,31 @@ class ParallelModel:
             if name in state_dict and not target.is_meta:
                 _copy_full_into(target, state_dict[name])
 
+    def save_checkpoint(self, path, optimizer, **kwargs) -> None:
+        """Save model, optimizer, scheduler, step and RNG with torch.distributed.checkpoint under HF names;
+        see `meshkit.checkpoint.save` (every rank calls it)."""
+        from meshkit import checkpoint
+
+        checkpoint.save(path, self, optimizer, **kwargs)
+
+    def load_checkpoint(self, path, optimizer, **kwargs) -> dict:
+        """Resume from `save_checkpoint`, under this plan whatever the saving plan was; returns step and extra."""
+        from meshkit import checkpoint
+
+        return checkpoint.load(path, self, optimizer, **kwargs)
+
+    def load_hf_checkpoint(self, directory, strict: bool = True) -> None:
+        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
+        from meshkit import hf_io
+
+        hf_io.load_hf_checkpoint(self, directory, strict=strict)
+
+    def save_hf_checkpoint(self, directory, **kwargs) -> None:
+        """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it)."""
+        from meshkit import hf_io
+
+        hf_io.save_hf_checkpoint(self, directory, **kwargs)
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
@@ -353,7 +378,7 @@ class ParallelModel:
         Each parameter's values depend only on (seed, its HF name), never on the plan: the same seed
         gives the same model under any plan. Memory peak is one full parameter, never the whole model.
         """
-        self._materialise()
+        self.materialise()
         config = self.model.config
         for name, param in self.named_parameters():
             rule, std = llama.init_rule(name, config)
@@ -370,8 +395,12 @@ class ParallelModel:
                     full[row] = 0
             _copy_full_into(param, full)
 
-    def _materialise(self) -> None:
-        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta."""
+    def materialise(self) -> None:
+        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta.
+
+        `init_weights`, `load_full_state_dict` and the checkpoint loaders call it; call it yourself
+        only to fill the shards by other means.
+        """
         if not any(t.is_meta for part in self.model_parts for t in [*part.parameters(), *part.buffers()]):
             return
         for part in self.model_parts:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -313,3 +314,12 @@ def llama_moe(model: nn.Module, num_experts: int, top_k: int, *, intermediate_si
                 moe.experts.down_proj.copy_(mlp.down_proj.weight.expand(num_experts, -1, -1))
         block.mlp = moe
     return moe_layers(model)
+
+
+# How HF writes expert weights to disk (per expert, legacy layout), for meshkit.hf_io:
+# (block infix, gate, up, down) names; and the fused parameters of a converted block.
+HF_EXPERT_FILE_FORMATS = (
+    (".mlp.", "gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE family
+    (".block_sparse_moe.", "w1", "w3", "w2"),  # Mixtral
+)
+HF_MOE_PARAM_NAME = re.compile(r"(.*)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)")
