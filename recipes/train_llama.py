@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import meshkit
-from meshkit import metrics
+from meshkit import checkpoint, metrics
 
 # ----------------------------------------------------------------------------------------- config
 
@@ -58,6 +58,10 @@ class TrainConfig:
     profile: bool = False  # torch.profiler trace of a few steps into <log_dir>/<name>/profile
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 picks a preset (metrics.PEAK_FLOPS)
     threads: int = 0  # torch threads per process on CPU; 0: cores / local processes
+    save_every: int = 0  # save a meshkit checkpoint every N steps (and at the end); 0: never
+    save_dir: str = "checkpoints"  # checkpoints go to <save_dir>/step-NNNNNNNN
+    resume: str = ""  # resume from the newest finished checkpoint under this directory (any plan)
+    export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
 
 
 @dataclass
@@ -186,43 +190,36 @@ def build_model_config(table: dict[str, Any]) -> tuple[Any, Path | None, bool]:
     return AutoConfig.for_model(model_type, **table), None, False
 
 
-def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
-    """The whole checkpoint as CPU tensors on every rank (fine for what fits a host; a sharded
-    loader belongs to meshkit's checkpoint support)."""
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    return state
-
-
 # ------------------------------------------------------------------------------------------- data
 
 
 class MarkovTokens:
-    """Deterministic synthetic batches: a function of (seed, dp_rank, step, micro-batch) only.
+    """Deterministic synthetic batches: rows of the GLOBAL batch, a function of (seed, step, micro-batch).
 
-    No communication and no state, so tp peers (same dp_rank) agree by construction, and a resumed
-    run sees the same data.
+    Each data rank keeps its rows of a global batch, so tp/cp/pp peers (same dp_rank) agree by
+    construction, and a run resumed under another plan with the same global batch sees the same tokens.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, batch: int, dp_rank: int, config: DataConfig):
+    def __init__(self, vocab_size: int, seq_len: int, batch: int, dp_rank: int, config: DataConfig,
+                 dp_size: int = 1):
         if config.branching < 1:
             raise ValueError(f"[data] branching={config.branching}: must be >= 1")
         self.vocab_size, self.seq_len, self.batch, self.dp_rank = vocab_size, seq_len, batch, dp_rank
+        self.dp_size = dp_size
         self.seed = config.chain_seed
         gen = torch.Generator().manual_seed(config.chain_seed)
         self.successors = torch.randint(0, vocab_size, (vocab_size, config.branching), generator=gen)
 
     def batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.dp_rank) * 1_000_033 + step) * 1_009 + micro)
-        tokens = torch.empty(self.batch, self.seq_len, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, self.vocab_size, (self.batch,), generator=gen)
-        choice = torch.randint(0, self.successors.shape[1], (self.batch, self.seq_len), generator=gen)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_033 + step) * 1_009 + micro)
+        rows = self.batch * self.dp_size
+        tokens = torch.empty(rows, self.seq_len, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab_size, (rows,), generator=gen)
+        choice = torch.randint(0, self.successors.shape[1], (rows, self.seq_len), generator=gen)
         for t in range(1, self.seq_len):
             tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
-        return tokens, tokens.clone()  # labels are unshifted (HF convention); meshkit shifts once
+        mine = tokens[self.dp_rank * self.batch:(self.dp_rank + 1) * self.batch]
+        return mine, mine.clone()  # labels are unshifted (HF convention); meshkit shifts once
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
@@ -295,8 +292,10 @@ def train(run: RunConfig) -> dict[str, float]:
         model = AutoModelForCausalLM.from_config(model_config)
     n_nonembedding = metrics.count_nonembedding_params(model)
     pm = meshkit.parallelize(model, run.plan)
-    if load_weights:
-        pm.load_full_state_dict(load_safetensors_dir(ckpt_dir))
+    if cfg.resume:
+        pass  # weights come from the checkpoint below
+    elif load_weights:
+        pm.load_hf_checkpoint(ckpt_dir)  # each rank reads only the slices it holds
     else:
         pm.init_weights(cfg.seed)
     plan, world, rank = pm.plan, dist.get_world_size(), dist.get_rank()
@@ -304,7 +303,15 @@ def train(run: RunConfig) -> dict[str, float]:
     optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = lr_schedule(optimizer, cfg)
-    data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data)
+    first_step = 1
+    if cfg.resume:
+        path = checkpoint.latest(cfg.resume)
+        if path is None:
+            raise ValueError(f"[train] resume={cfg.resume!r}: no finished checkpoint under it")
+        first_step = pm.load_checkpoint(path, optimizer, scheduler=scheduler)["step"] + 1
+        if rank == 0:
+            print(f"meshkit: resumed from {path} at step {first_step}", flush=True)
+    data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size)
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
@@ -320,14 +327,14 @@ def train(run: RunConfig) -> dict[str, float]:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, disable=rank != 0, dynamic_ncols=True, desc="train")
+    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0, dynamic_ncols=True, desc="train")
     prof = _profiler(cfg.profile, log_dir / "profile", cfg.steps)
     if prof is not None:
         prof.start()
     losses: list[float] = []
     times: list[float] = []
     metrics.reset_peak_memory()
-    for step in range(1, cfg.steps + 1):
+    for step in range(first_step, cfg.steps + 1):
         # Made before the clock starts: a real loader prefetches, and the step time should be the model's.
         batches = [data.batch_at(step, micro) for micro in range(cfg.grad_accum)]
         if torch.cuda.is_available():
@@ -340,8 +347,11 @@ def train(run: RunConfig) -> dict[str, float]:
         grad_norm = pm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        pm.update_expert_biases()  # DeepSeek-V3 router balancing; a no-op without it
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+            pm.save_checkpoint(checkpoint.step_dir(cfg.save_dir, step), optimizer, scheduler=scheduler, step=step)
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
         if prof is not None:
@@ -364,13 +374,19 @@ def train(run: RunConfig) -> dict[str, float]:
     if prof is not None:
         prof.stop()
     bar.close()
+    if cfg.export_hf:
+        pm.save_hf_checkpoint(cfg.export_hf)
     logger.close()
+    if not losses:  # resumed at or past the last step: nothing left to train
+        if rank == 0:
+            print(f"meshkit: nothing to train: resumed at step {first_step} of {cfg.steps}", flush=True)
+        return {}
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
                "total_s": sum(times)}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
-        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {cfg.steps} steps "
+        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, floor ln({run.data.branching}) = "
               f"{math.log(run.data.branching):.4f}) | median step {summary['median_step_s']:.3f}s | "
               f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)

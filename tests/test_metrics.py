@@ -266,12 +266,15 @@ def test_unknown_preset_keys_are_errors(recipe, tmp_path) -> None:
 
 def test_markov_data_is_deterministic_per_dp_rank(recipe) -> None:
     cfg = recipe.DataConfig(branching=2)
-    a = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg)
-    b = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg)
-    c = recipe.MarkovTokens(64, 16, 3, dp_rank=1, config=cfg)
+    a = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg, dp_size=2)
+    b = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg, dp_size=2)
+    c = recipe.MarkovTokens(64, 16, 3, dp_rank=1, config=cfg, dp_size=2)
     ids, labels = a.batch_at(5, 1)
     assert torch.equal(ids, b.batch_at(5, 1)[0]) and torch.equal(ids, labels)
     assert not torch.equal(ids, c.batch_at(5, 1)[0]) and not torch.equal(ids, a.batch_at(6, 1)[0])
+    # the data ranks' rows are the rows of one global batch, whatever the dp size
+    whole = recipe.MarkovTokens(64, 16, 6, dp_rank=0, config=cfg, dp_size=1).batch_at(5, 1)[0]
+    assert torch.equal(whole, torch.cat([ids, c.batch_at(5, 1)[0]]))
     # every transition is one of the token's two successors
     allowed = a.successors[ids[:, :-1]]
     assert (allowed == ids[:, 1:, None]).any(-1).all()
