@@ -160,8 +160,7 @@ def test_tensorboard_logger_writes_on_rank0_only(tmp_path) -> None:
 @pytest.fixture
 def one_rank_group():
     """A private one-process gloo group, torn down so later tests see an uninitialised torch.distributed."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
+    assert not dist.is_initialized(), "a test left a process group in the pytest process (use the dist pools)"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dist.group.WORLD
