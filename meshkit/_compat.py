@@ -171,3 +171,28 @@ def dtensor_chunks(tensor):
     _StridedShard (FSDP over TP) included, which a hand-written offset computation would not.
     """
     return tensor.__create_chunk_list__()
+
+
+def fake_tensor_mode():
+    """`FakeTensorMode` (private in 2.11-2.13): shapes and dtypes, no memory, for activation estimates.
+
+    Non-fake inputs are allowed so that a module built on the meta device can be `to_empty`-ed into
+    fake CPU tensors (fake CPU, not meta, so SDPA dispatches to the flash kernel it really uses
+    instead of the math fallback that would save the s x s scores).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def storage_key(tensor) -> int:
+    """Identity of a tensor's storage (`UntypedStorage._cdata`): views and autograd's saved copies
+    share it, so counting storages counts memory once. A DTensor's memory is its local shard."""
+    local = getattr(tensor, "_local_tensor", None)
+    return (local if local is not None else tensor).untyped_storage()._cdata
+
+
+def storage_nbytes(tensor) -> int:
+    """Bytes of a tensor's storage (a DTensor's local shard's)."""
+    local = getattr(tensor, "_local_tensor", None)
+    return (local if local is not None else tensor).untyped_storage().nbytes()

@@ -36,8 +36,13 @@ def _saved_ops_cached() -> frozenset:
     return frozenset(_saved_ops())
 
 
+def is_saved_op(op) -> bool:
+    """Whether selective checkpointing keeps this op's output (the estimator counts exactly these)."""
+    return op in _saved_ops_cached()
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _saved_ops_cached() else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if is_saved_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

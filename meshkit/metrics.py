@@ -280,9 +280,6 @@ class TensorBoardLogger:
 # ------------------------------------------------------------------------------- communication
 
 
-_dispatch_mode_base = dispatch_mode_base  # kept for callers written before it moved to _compat
-
-
 # op name -> (kind, index of the argument whose size is the collective's full buffer)
 _C10D_OPS = {
     "_allgather_base_": ("all_gather", 0),
@@ -406,7 +403,7 @@ def _axis_groups(mesh: Any, axes: tuple[str, ...]) -> dict[str, tuple[str, int]]
 
 
 def _make_mode(counter: CommCounter) -> Any:
-    base = _dispatch_mode_base()
+    base = dispatch_mode_base()
 
     class _CommMode(base):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

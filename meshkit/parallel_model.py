@@ -32,7 +32,7 @@ from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.plan import Plan
-from meshkit.tensor_parallel import loss_context, reduce_partial_grads, reduce_plain_grads, replicated_params
+from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params, reduce_plain_grads
 
 MESHKIT_ONLY_BUFFERS = (".expert_bias", ".load_counts_E")
 
@@ -153,7 +153,7 @@ class ParallelModel:
                     aux = aux * (batch.valid_tokens / denominator)
                     torch.autograd.backward([share, aux])
         if self._reduce_tp_grads:
-            reduce_partial_grads(replicated_params(self.model_parts))
+            place_grads_like_params(dtensor_params(self.model_parts))
         if self._tp_summed_params:
             reduce_plain_grads(self._tp_summed_params, axis(self.mesh, "tp").get_group())
         loss = self._global_loss(share)

@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         _check_mesh(mesh, plan)
 
     device = _mesh_device(mesh)
-    llama.use_attention(model, cp_hf.register())
+    cp_hf.install(model)
     parts = llama.parts(model)
     ranges, stage_ids = _pipeline_layout(plan, mesh, len(parts.blocks))
     for module in pipeline_stage.modules_not_held(parts, ranges, stage_ids):

@@ -99,23 +99,24 @@ def loss_context(tp_enabled: bool, loss_parallel_on: bool):
 
 
 
-def replicated_params(modules: list[nn.Module]) -> list[nn.Parameter]:
-    """TP weights every rank holds whole (norms): their gradients come out Partial after backward."""
-    return [p for module in modules for p in module.parameters()
-            if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)]
+def dtensor_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The TP-sharded (DTensor) parameters of `modules`."""
+    return [p for module in modules for p in module.parameters() if isinstance(p, DTensor)]
 
 
-def reduce_partial_grads(params: list[nn.Parameter]) -> None:
-    """Sum the Partial gradients of replicated TP weights over tp, in place, when FSDP is absent.
+def place_grads_like_params(params: list[nn.Parameter]) -> None:
+    """Give every gradient its parameter's placement, in place, when FSDP is absent.
 
-    Each rank saw different tokens (SP) or heads; FSDP reduces these gradients within its
-    reduce-scatter, but without FSDP nothing would, and optimizers and norms would read one rank's
-    share. Done after backward rather than in gradient hooks, which `to_empty` (meta-device
-    materialisation) would drop along with the old tensors.
+    DTensor's backward leaves some gradients placed differently from their parameters: replicated
+    weights (norms) get Partial gradients, each rank having seen different tokens or heads, and the
+    vocab-parallel embedding gets a Replicate [vocab, hidden] gradient, tp times its shard. FSDP
+    redistributes both inside its reduce-scatter; without FSDP nothing would, and optimizers and norms
+    would read one rank's share or hold full-size gradients. Done after backward rather than in
+    gradient hooks, which `to_empty` (meta-device materialisation) would drop with the old tensors.
     """
     for param in params:
         grad = param.grad
-        if grad is not None and any(pl.is_partial() for pl in grad.placements):
+        if grad is not None and tuple(grad.placements) != tuple(param.placements):
             param.grad = grad.redistribute(placements=param.placements)
 
 

@@ -90,3 +90,23 @@ def test_meta_device_model_loads_its_shards(dist, plan, world):
     batch = BatchSpec(batch=world // (2 if "tp" in plan or "cp" in plan else 1), seq=8)
     results = dist(world).run(_compare_on_rank, plan, model, batch, meta_init=True)
     assert_matches_reference(results, f"meta init, {plan}")
+
+
+def _misplaced_grads(plan: str) -> list[str]:
+    import torch
+
+    import meshkit
+
+    pm = meshkit.parallelize(ModelSpec(layers=2).build(), meshkit.Plan.from_string(plan))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    pm.forward_backward(ids, ids)
+    return [n for n, p in pm.named_parameters()
+            if hasattr(p, "placements") and tuple(p.grad.placements) != tuple(p.placements)]
+
+
+@pytest.mark.parametrize("plan, world", [("tp=2", 2), ("pp=2,tp=2", 4)])
+def test_tp_without_fsdp_leaves_gradients_placed_like_parameters(dist, plan, world):
+    # Without FSDP to redistribute them, the vocab-parallel embedding's gradient would stay a full
+    # Replicate [vocab, hidden] tensor and the norms' gradients Partial.
+    for misplaced in dist(world).run(_misplaced_grads, plan):
+        assert misplaced == []

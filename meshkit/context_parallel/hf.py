@@ -69,3 +69,10 @@ def register() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, meshkit_attention)
     return ATTENTION_NAME
+
+
+def install(model) -> None:
+    """Route every attention layer of `model` through meshkit's registered attention function."""
+    from meshkit.models import llama
+
+    llama.use_attention(model, register())

@@ -1,0 +1,383 @@
+"""The estimator against what really happens: bytes of model state, saved activations, FLOPs, bytes moved.
+
+Ground truths are independent of the estimator's machinery:
+- model state: the local shards, gradients and AdamW state of a real `parallelize`d model on a
+  4-rank CPU mesh (tp=2 x dp_shard=2, uneven FSDP shards included);
+- activations: every storage created during a real forward that is still alive when the loss is
+  computed (a dispatch mode records storages, weak references tell which survive), parameters
+  excluded, under each AC mode, on one process and on the TP/SP mesh;
+- FLOPs: torch's FlopCounterMode on a fake block of the real shape;
+- communication: `metrics.CommCounter`'s count of the same training step.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from meshkit import estimate as est
+from meshkit import estimate_activations as acts
+from meshkit.plan import Plan
+
+SMALL = {
+    "gqa": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256),
+    "mha_tied": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+                     num_key_value_heads=6, vocab_size=300, tie_word_embeddings=True),
+    "mqa_head_dim": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=24, vocab_size=200),
+}
+# Uneven FSDP shards on purpose: 35 gate rows per tp rank split 18/17, a 129-row vocabulary half 65/64.
+MESH_MODEL = dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=8, vocab_size=258)
+
+
+def _config(kw: dict) -> LlamaConfig:
+    return LlamaConfig(max_position_embeddings=512, use_cache=False, **kw)
+
+
+# ------------------------------------------------------------------- ground truth: live storages
+
+def _wrappers() -> tuple[type, ...]:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    return (DTensor, AsyncCollectiveTensor)
+
+
+_WRAPPERS = _wrappers()
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to every storage an op creates. Ops on tensor subclasses (DTensor, the
+    functional collectives' AsyncCollectiveTensor) are declined, so the plain-tensor ops they lower
+    to, which allocate the memory, come back here; a wrapper subclass's own storage holds no data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(issubclass(t, _WRAPPERS) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) in (torch.Tensor, torch.nn.Parameter):
+                ref = StorageWeakRef(t.untyped_storage())
+                self.refs[ref.cdata] = ref
+        return out
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        gc.collect()
+        total = 0
+        for key, ref in self.refs.items():
+            if key not in exclude and not ref.expired():
+                # current size: FSDP frees gathered parameters by resizing their storage to 0
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+
+def _keys(tensors) -> set[int]:
+    out = set()
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        out.add(StorageWeakRef(local.untyped_storage()).cdata)
+    return out
+
+
+def _estimated_activations(config, *, batch: int, seq: int, tp: int, ac: str, dtype: str) -> int:
+    kw = dict(batch=batch, seq=seq, tp=tp, dtype=dtype)
+    blocks = config.num_hidden_layers * sum(acts.block_activations(config, ac=ac, **kw).values())
+    return blocks + acts.shared_activations(config, **kw) + sum(acts.head_activations(config, **kw).values())
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -> int:
+    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss."""
+    from meshkit import loss as loss_lib
+    from meshkit.activation_checkpoint import apply_activation_checkpointing
+    from meshkit.models import llama
+    from meshkit.stage import CausalLMStage
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    acts._pin_attention(model)
+    parts = llama.parts(model)
+    stage = CausalLMStage(dict(enumerate(apply_activation_checkpointing(parts.blocks, ac))), parts.rotary,
+                          embed=parts.embed, norm=parts.norm, lm_head=parts.lm_head)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(seq).unsqueeze(0)
+    targets = loss_lib.shift_labels(ids)
+    mode = _LiveStorages()
+    with mode:
+        logits = stage(ids, positions)
+        loss = loss_lib.summed_cross_entropy(logits, targets)
+    live = mode.live_bytes(_keys(model.parameters()) | _keys([logits]))
+    del logits
+    loss.backward()  # the graph was real: backward must run
+    return live
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize("ac", acts.AC_MODES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activations_match_saved_tensors(name: str, ac: str, dtype: str) -> None:
+    config = _config(SMALL[name])
+    batch, seq = 2, 40
+    measured = _measure_single(config, ac, batch, seq, acts.DTYPES[dtype])
+    estimated = _estimated_activations(config, batch=batch, seq=seq, tp=1, ac=ac, dtype=dtype)
+    assert abs(estimated - measured) / measured < 0.10, (name, ac, dtype, estimated, measured)
+
+
+# ------------------------------------------------------------------------------ on a CPU mesh
+
+
+def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> dict:
+    """One rank: model state after a step, live activations at the loss, bytes of a counted step."""
+    import meshkit
+    from meshkit import loss as loss_lib
+    from meshkit.mesh import axis
+    from meshkit.metrics import CommCounter
+
+    config = _config(model_kw)
+    plan = Plan.from_string(plan_text)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    pm = meshkit.parallelize(model, plan)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(pm.dp_rank))
+    measured: dict = {}
+    original = loss_lib.summed_cross_entropy
+    mode = _LiveStorages()
+
+    def snapshot(logits, targets):  # runs inside forward_backward, once every activation exists
+        loss = original(logits, targets)
+        measured["activations"] = mode.live_bytes(_keys(model.parameters()) | _keys([logits]))
+        return loss
+
+    loss_lib.summed_cross_entropy = snapshot
+    try:
+        with mode:
+            pm.forward_backward(ids, ids)
+    finally:
+        loss_lib.summed_cross_entropy = original
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt.step()
+
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    measured["params"] = sum(local(p) for p in pm.parameters())
+    measured["grads"] = sum(local(p.grad) for p in pm.parameters())
+    measured["optimizer"] = sum(local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    opt.zero_grad(set_to_none=True)
+    pm.check_inputs = False  # its few-byte agreement checks are not part of the estimate
+    with CommCounter(pm.mesh) as counter:
+        pm.forward_backward(ids, ids)
+    comm: dict[str, int] = {}
+    for (kind, label), stat in counter.stats.items():
+        key = f"{kind}@{_axis_label(label, pm.mesh)}"
+        comm[key] = comm.get(key, 0) + stat.bytes
+    measured["comm"] = comm
+    measured["tp_rank"] = pm.mesh["tp"].get_local_rank()
+    measured["pp_rank"] = pm.mesh["pp"].get_local_rank()
+    measured["fsdp_rank"] = axis(pm.mesh, "dp_shard_cp").get_local_rank()
+    return measured
+
+
+def _axis_label(label: str, mesh) -> str:
+    """CommCounter's label, with groups it could not name matched to a mesh axis by their ranks.
+
+    A pool worker runs several plans; DTensor's sharding cache can hand a later mesh the redistribute
+    plans (and process groups) of an earlier mesh over the same ranks, which CommCounter cannot name.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from meshkit.mesh import axis
+
+    if not label.startswith("group:"):
+        return label
+    ranks = dist.get_process_group_ranks(_resolve_process_group(label[len("group:"):]))
+    for name in ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate"):
+        if dist.get_process_group_ranks(axis(mesh, name).get_group()) == ranks:
+            return name
+    return label
+
+
+# One counted run per plan on the same 4 ranks: TP/SP + FSDP under each AC mode, and TP without SP +
+# HSDP in bf16 mixed precision.
+MESH_PLANS = {ac: f"tp=2,dp_shard=2,activation_checkpointing={ac}" for ac in acts.AC_MODES}
+MESH_PLANS["hsdp_no_sp_bf16"] = ("tp=2,dp_replicate=2,sequence_parallel=false,param_dtype=bfloat16,"
+                                 "activation_checkpointing=selective")
+MESH_PLANS["cp_zigzag_selective"] = "cp=2,dp_shard=2,cp_attention=zigzag,activation_checkpointing=selective"
+MESH_PLANS["cp_ulysses_full"] = "cp=2,dp_shard=2,cp_attention=ulysses,activation_checkpointing=full"
+MESH_PLANS["pp_interleaved_fsdp"] = "pp=2,dp_shard=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,pp_microbatches=2"
+MESH_PLANS["pp_tp_selective"] = "pp=2,tp=2,pp_microbatches=2,activation_checkpointing=selective"
+MESH_BATCH, MESH_SEQ = 2, 16
+
+
+def _mesh_workload(plan: Plan) -> est.Workload:
+    return est.Workload(seq=MESH_SEQ, mbs=MESH_BATCH // plan.microbatches, microbatches=plan.microbatches)
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(dist) -> dict[str, list[dict]]:
+    return {key: dist(4).run(_measure_on_rank, plan, MESH_MODEL, MESH_BATCH, MESH_SEQ)
+            for key, plan in MESH_PLANS.items()}
+
+
+@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp"])
+def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
+    config, plan = _config(MESH_MODEL), Plan.from_string(MESH_PLANS[key]).resolve(4)
+    for rank, r in enumerate(mesh_runs[key]):
+        state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
+        assert (state.param_bytes, state.grad_bytes, state.optimizer_bytes) == (
+            r["params"], r["grads"], r["optimizer"]), f"rank {rank}"
+    if key == "none":
+        assert len({r["params"] for r in mesh_runs[key]}) > 1, "the config should make FSDP shards uneven"
+
+
+@pytest.mark.parametrize("key", sorted(k for k, v in MESH_PLANS.items() if "pp=" not in v))
+def test_activations_on_mesh(mesh_runs, key: str) -> None:
+    config, plan = _config(MESH_MODEL), Plan.from_string(MESH_PLANS[key]).resolve(4)
+    estimated = est.estimate(config, plan, 4, _mesh_workload(plan)).memory.activations
+    for rank, r in enumerate(mesh_runs[key]):
+        assert abs(estimated - r["activations"]) / r["activations"] < 0.10, (key, rank, estimated, r["activations"])
+
+
+@pytest.mark.parametrize("key", sorted(MESH_PLANS))
+def test_communication_matches_comm_counter(mesh_runs, key: str) -> None:
+    """Every collective over tp and FSDP, byte for byte: SP all-gathers and reduce-scatters (with
+    what recompute re-issues), norm-gradient and vocab-parallel-loss all-reduces, FSDP gathers and
+    gradient reduce-scatters. Only the loss/token-count scalars over dp are left out."""
+    config, plan = _config(MESH_MODEL), Plan.from_string(MESH_PLANS[key]).resolve(4)
+    for rank, r in enumerate(mesh_runs[key]):
+        state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"])
+        predicted: dict[str, float] = {}
+        for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
+            label = f"{c.kind}@{c.axis}"
+            predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
+        counted = {k: v for k, v in r["comm"].items()
+                   if k.split("@")[1] in ("tp", "dp_shard_cp", "dp_replicate", "cp", "pp") and v > 64}  # no scalars
+        for axis in ("cp", "pp"):  # a ring or pipeline exchange is one send and one receive of one buffer
+            if f"send@{axis}" in counted:
+                assert counted.pop(f"recv@{axis}") == counted[f"send@{axis}"]
+                counted[f"p2p@{axis}"] = counted.pop(f"send@{axis}")
+        assert counted == pytest.approx(predicted), f"{key}, rank {rank}"
+
+
+# ------------------------------------------------------------------------------------ pipeline
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("zb_h1", 3, 1), ("zb_h1", 4, 1),
+                                           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)])
+def test_pipeline_timing_extends_the_simulation_exactly(schedule: str, pp: int, v: int) -> None:
+    from fractions import Fraction
+
+    from meshkit.pipeline.schedules import build_schedule
+    from meshkit.pipeline.simulate import Costs, simulate
+
+    for recompute in (Fraction(0), Fraction(1, 3)):
+        for m in (4 * pp + 1, 5 * pp + 2, 6 * pp):
+            timing = est.pipeline_timing(schedule, pp, m, v, recompute)
+            full = simulate(build_schedule(schedule, pp, m, v), Costs(1, 1 + recompute, 1))
+            assert timing.step_time == full.step_time, (schedule, pp, m, recompute)
+            assert timing.bubble_fraction == full.bubble_fraction
+            assert timing.peak_activations == full.peak_activations
+
+
+# --------------------------------------------------------------------------------------- FLOPs
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_flop_formula_matches_flop_counter(name: str) -> None:
+    counted, formula = est.flop_counter_check(_config(SMALL[name]), 37)
+    assert counted == formula
+
+
+def test_flop_counter_at_llama3_8b_shape() -> None:
+    counted, formula = est.flop_counter_check(est.load_config("llama3-8b"), 2048)
+    assert counted == formula
+
+
+# ------------------------------------------------------------------------------------- presets
+
+
+def test_presets_have_the_published_sizes() -> None:
+    """Parameter counts of the real checkpoints: 8.03B, 70.6B, 405.9B (1.24B tied)."""
+    sizes = {"llama3.2-1b": 1.24e9, "llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "llama3-405b": 405.85e9}
+    for name, expected in sizes.items():
+        config = est.load_config(name)
+        state = est.model_state(config, Plan())
+        total = state.params
+        assert abs(total - expected) / expected < 0.005, (name, total)
+
+
+def test_playbook_zero_formulas() -> None:
+    config = est.load_config("llama3-8b")
+    state = est.model_state(config, Plan(dp_shard=8))
+    psi = 8.03e9
+    assert state.zero["ZeRO-3"] == pytest.approx(16 * psi / 8, rel=0.01)
+    assert state.zero["ZeRO-1"] == pytest.approx(4 * psi + 12 * psi / 8, rel=0.01)
+    assert state.persistent == pytest.approx(state.zero["ZeRO-3"], rel=0.001)
+
+
+def test_cli_prints_every_section(capsys) -> None:
+    assert est.main(["--model", "llama3-8b", "--plan", "tp=8,dp_shard=-1", "--world", "64", "--seq", "8192",
+                     "--mbs", "1", "--ac", "selective", "--no-flop-check"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("parameters", "gradients", "optimizer", "activations held", "peak", "FLOPs", "dp_shard_cp",
+                   "tp ", "step time"):
+        assert needle in out, needle
+
+
+# --------------------------------------------------------------------------------- plan search
+
+
+SEARCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=4, vocab_size=4096)
+
+
+@settings(deadline=None)
+@given(world=st.sampled_from([4, 8, 16, 32]), seq=st.sampled_from([512, 1024, 2048]),
+       memory_mib=st.sampled_from([48, 128, 512, 4096]), batch_seqs=st.sampled_from([8, 32, 128]))
+def test_plan_search_returns_valid_plans_that_fit(world, seq, memory_mib, batch_seqs) -> None:
+    import dataclasses
+
+    from meshkit import plan_search
+
+    config = _config(SEARCH_MODEL)
+    device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=memory_mib * 2**20)
+    result = plan_search.search(config, world, seq, batch_seqs * seq, device, top=5)
+    for cand in result.plans:
+        cand.plan.validate(config, world, seq)
+        again = est.estimate(config, cand.plan, world, cand.workload, device)
+        assert again.peak_bytes <= plan_search.budget(device)
+        assert math.isclose(again.step_time, cand.estimate.step_time)
+        assert cand.workload.global_tokens(cand.plan) == pytest.approx(batch_seqs * seq, rel=0.25)
+    assert result.plans or result.rejected
+    times = [c.estimate.step_time for c in result.plans]
+    assert times == sorted(times)
+
+
+def test_plan_search_explains_rejections() -> None:
+    """A budget nothing fits: every family is listed with the smallest peak it reached."""
+    import dataclasses
+
+    from meshkit import plan_search
+
+    device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=2**20)
+    result = plan_search.search(_config(SEARCH_MODEL), 8, 1024, 64 * 1024, device)
+    assert not result.plans
+    assert "fsdp" in result.rejected and "nothing fits" in result.rejected["fsdp"]
