@@ -30,8 +30,9 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check meshkit recipes benchmarks tests
 
+# Every benchmark in sequence; tables in benchmarks/RESULTS.md, charts in benchmarks/results/.
 bench: venv
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -196,3 +196,10 @@ def storage_nbytes(tensor) -> int:
     """Bytes of a tensor's storage (a DTensor's local shard's)."""
     local = getattr(tensor, "_local_tensor", None)
     return (local if local is not None else tensor).untyped_storage().nbytes()
+
+
+def torch_pipeline_order(schedule):
+    """The per-rank action lists a `torch.distributed.pipelining` schedule derived (`pipeline_order`,
+    entries are private `_Action`s), or None; the pipeline benchmark replays them in meshkit's simulator."""
+    order = getattr(schedule, "pipeline_order", None)
+    return order if isinstance(order, dict) else None

@@ -232,7 +232,8 @@ def recipe():
     return module
 
 
-@pytest.mark.parametrize("preset,world", [("debug_cpu", 8), ("llama3_8b", 8), ("llama3_70b", 32)])
+@pytest.mark.parametrize("preset,world", [("debug_cpu", 8), ("llama3_8b", 8), ("llama3_70b", 32), ("llama3_405b", 512),
+                                          ("mixtral_8x7b", 64), ("moe_debug_cpu", 4), ("demo_5d_cpu", 16)])
 def test_presets_load_and_validate(recipe, preset: str, world: int) -> None:
     run = recipe.load_config(str(ROOT / "recipes" / "configs" / f"{preset}.toml"))
     config, path, pretrained = recipe.build_model_config(run.model)
