@@ -35,7 +35,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from meshkit.parallel_model import MESHKIT_ONLY_BUFFERS, ParallelModel
+from meshkit.consensus import brief
+from meshkit.parallel_model import MESHKIT_ONLY_BUFFERS, ParallelModel, non_persistent_buffer_names
 
 __all__ = ["FORMAT_VERSION", "is_checkpoint", "latest", "load", "save", "step_dir"]
 
@@ -135,7 +136,7 @@ def _model_tensors(pm: ParallelModel) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's parameters and persistent buffers under their HF names (tied weights once)."""
     yield from pm.named_parameters()
     held = {id(b) for part in pm.model_parts for b in part.buffers()}
-    transient = _non_persistent(pm.model)
+    transient = non_persistent_buffer_names(pm.model)
     for name, buf in pm.model.named_buffers():
         if id(buf) in held and name not in transient:
             yield name, buf
@@ -148,7 +149,7 @@ def _global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     every rank computes the same table and reaches the same verdict without communicating.
     """
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    transient = _non_persistent(model)
+    transient = non_persistent_buffer_names(model)
     shapes.update({n: tuple(b.shape) for n, b in model.named_buffers() if n not in transient})
     return shapes
 
@@ -161,13 +162,13 @@ def _model_problems(pm: ParallelModel, entries: dict[str, Any]) -> list[str]:
     unexpected = sorted(set(saved) - set(expected))
     problems = []
     if missing:
-        problems.append(f"{len(missing)} model tensor(s) missing from the checkpoint: {_few(missing)}")
+        problems.append(f"{len(missing)} model tensor(s) missing from the checkpoint: {brief(missing)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} checkpoint tensor(s) the model does not have: {_few(unexpected)}")
+        problems.append(f"{len(unexpected)} checkpoint tensor(s) the model does not have: {brief(unexpected)}")
     wrong = [f"{n}: checkpoint {_shape(saved[n])}, model {expected[n]}" for n in sorted(set(saved) & set(expected))
              if _shape(saved[n]) != expected[n]]
     if wrong:
-        problems.append(f"{len(wrong)} shape mismatch(es): {_few(wrong)}")
+        problems.append(f"{len(wrong)} shape mismatch(es): {brief(wrong)}")
     # Optimizer state shaped unlike its (matching) parameter: a checkpoint written by something else.
     odd = []
     for key, entry in entries.items():
@@ -176,7 +177,7 @@ def _model_problems(pm: ParallelModel, entries: dict[str, Any]) -> list[str]:
             if name in expected and _shape(saved.get(name)) == expected[name] and tuple(entry.size) != expected[name]:
                 odd.append(f"{key}: {tuple(entry.size)}, parameter {expected[name]}")
     if odd:
-        problems.append(f"{len(odd)} optimizer state(s) shaped unlike their parameter: {_few(sorted(odd))}")
+        problems.append(f"{len(odd)} optimizer state(s) shaped unlike their parameter: {brief(sorted(odd))}")
     if problems:
         problems.append("fix: load a checkpoint saved from a model with this config")
     return problems
@@ -294,18 +295,6 @@ def _shape(entry: Any) -> tuple[int, ...] | str:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _non_persistent(model: nn.Module) -> set[str]:
-    names = set()
-    for prefix, module in model.named_modules():
-        for buf in getattr(module, "_non_persistent_buffers_set", ()):
-            names.add(f"{prefix}.{buf}" if prefix else buf)
-    return names
-
-
-def _few(items: list[str], n: int = 6) -> str:
-    return "; ".join(items[:n]) + (f"; ... ({len(items) - n} more)" if len(items) > n else "")
 
 
 def _raise(path: str, problems: list[str]) -> None:

@@ -27,3 +27,8 @@ def raise_if_any(problem: str | None, group: dist.ProcessGroup | None = None, de
     failing = [(rank, msg) for rank, msg in enumerate(messages) if msg]
     lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failing)
     raise ValueError(f"{len(failing)} of {len(messages)} ranks rejected their input:\n{lines}")
+
+
+def brief(items: list[str], n: int = 6) -> str:
+    """The first `n` items of a problem list and how many more, for one-line error messages."""
+    return "; ".join(items[:n]) + (f"; ... ({len(items) - n} more)" if len(items) > n else "")

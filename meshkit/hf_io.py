@@ -38,9 +38,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat import dtensor_chunks
-from meshkit.consensus import raise_if_any
+from meshkit.consensus import brief, raise_if_any
 from meshkit.models import moe as moe_models
-from meshkit.parallel_model import MESHKIT_ONLY_BUFFERS, ParallelModel
+from meshkit.parallel_model import MESHKIT_ONLY_BUFFERS, ParallelModel, non_persistent_buffer_names
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -164,7 +164,7 @@ def _source(name: str, shape: tuple[int, ...], shapes: dict[str, tuple[int, ...]
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter (tied weights once) and persistent buffer of the whole model, all stages."""
-    transient = _non_persistent(model)
+    transient = non_persistent_buffer_names(model)
     out = dict(model.named_parameters())
     out.update({n: b for n, b in model.named_buffers() if n not in transient})
     return out
@@ -192,11 +192,11 @@ def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: 
     unexpected = sorted(set(shapes) - used - tied)
     problems = []
     if missing:
-        problems.append(f"{len(missing)} model tensor(s) not in the files: {_few(missing)}")
+        problems.append(f"{len(missing)} model tensor(s) not in the files: {brief(missing)}")
     if wrong:
-        problems.append(f"{len(wrong)} shape mismatch(es): {_few(wrong)}")
+        problems.append(f"{len(wrong)} shape mismatch(es): {brief(wrong)}")
     if unexpected and strict:
-        problems.append(f"{len(unexpected)} file tensor(s) the model does not have: {_few(unexpected)} "
+        problems.append(f"{len(unexpected)} file tensor(s) the model does not have: {brief(unexpected)} "
                         "(strict=False ignores them)")
     if problems:
         raise ValueError("load_hf_checkpoint: the checkpoint does not fit the model:\n  - " + "\n  - ".join(problems)
@@ -294,15 +294,3 @@ def _write_pretrained(config: Any, state: dict[str, torch.Tensor], directory: Pa
     model.save_pretrained(directory, max_shard_size=max_shard_size)
     if not (directory / "config.json").is_file():
         raise RuntimeError(f"save_pretrained wrote no config.json into {directory}")
-
-
-def _non_persistent(model: nn.Module) -> set[str]:
-    names = set()
-    for prefix, module in model.named_modules():
-        for buf in getattr(module, "_non_persistent_buffers_set", ()):
-            names.add(f"{prefix}.{buf}" if prefix else buf)
-    return names
-
-
-def _few(items: list[str], n: int = 6) -> str:
-    return "; ".join(items[:n]) + (f"; ... ({len(items) - n} more)" if len(items) > n else "")

@@ -336,7 +336,7 @@ class ParallelModel:
         self.materialise()
         every = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         every.update(dict(self.model.named_buffers()))
-        expected = set(every) - _non_persistent(self.model)
+        expected = set(every) - non_persistent_buffer_names(self.model)
         # meshkit's router-bias buffers are not in HF checkpoints: missing ones keep their zeros.
         missing = sorted(k for k in expected - set(state_dict) if not k.endswith(MESHKIT_ONLY_BUFFERS))
         unexpected = sorted(set(state_dict) - expected)
@@ -420,7 +420,8 @@ def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def _non_persistent(model: nn.Module) -> set[str]:
+def non_persistent_buffer_names(model: nn.Module) -> set[str]:
+    """Names of buffers a state dict leaves out (rotary caches): never expected from a checkpoint."""
     names = set()
     for prefix, module in model.named_modules():
         for buf in getattr(module, "_non_persistent_buffers_set", ()):
