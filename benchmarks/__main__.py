@@ -27,6 +27,8 @@ BENCHMARKS = [
     ("context_parallel.py", ["--out", str(RESULTS / "context_parallel.md")], True),
     ("pipeline.py", ["--out", str(RESULTS)], True),
     ("expert_parallel.py", ["--out", str(RESULTS / "expert_parallel.md")], True),
+    ("charts.py", ["--out", str(RESULTS)], False),  # after context_parallel.py: plots its measured memory table
+    ("gpu_mfu.py", [], True),  # prints "no CUDA device: skipped" without a GPU
 ]
 
 

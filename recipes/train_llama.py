@@ -236,6 +236,45 @@ def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.opt
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+# -------------------------------------------------------------------------------------- estimate
+
+
+def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
+    """meshkit.estimate's per-rank peak for this run, or None for an MoE model (not estimated yet).
+
+    Printed beside the measured peak so a user sees how far the estimator is from their hardware
+    before trusting it for a plan they cannot try. The workload mirrors the loop: under pipelining the
+    local batch is split into the plan's microbatches, and grad_accum pipeline calls make up a step.
+    """
+    from meshkit import estimate
+    from meshkit.models.moe import moe_spec
+
+    if moe_spec(model_config) is not None:
+        return None
+    plan = plan.resolve(world)
+    pipelined = plan.pp > 1
+    mbs = cfg.local_batch // plan.microbatches if pipelined else cfg.local_batch
+    microbatches = cfg.grad_accum * (plan.microbatches if pipelined else 1)
+    device = "h200" if metrics.detect_device() == "h200" else "h100"  # memory does not depend on the device
+    workload = estimate.Workload(cfg.seq_len, max(mbs, 1), microbatches)
+    return estimate.estimate(model_config, plan, world, workload, device).peak_bytes
+
+
+def _predict(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
+    """The prediction, or None with one printed line: an estimator failure must never stop training."""
+    try:
+        predicted = predicted_peak_bytes(model_config, plan, world, cfg)
+    except Exception as err:  # noqa: BLE001 - any estimator bug is reported, not fatal
+        print(f"meshkit: estimate: failed ({type(err).__name__}: {err}); training continues", flush=True)
+        return None
+    if predicted is None:
+        print("meshkit: estimate: n/a for MoE", flush=True)
+    else:
+        print(f"meshkit: estimate: predicted peak {predicted / 2**30:.3g} GiB per rank (meshkit.estimate; "
+              "tensors only, so on CPU the measured RSS adds the interpreter and libraries)", flush=True)
+    return predicted
+
+
 # ------------------------------------------------------------------------------------------- run
 
 
@@ -324,6 +363,9 @@ def train(run: RunConfig) -> dict[str, float]:
         print(f"meshkit: plan {plan.describe()} on {world} ranks | {n_nonembedding / 1e6:.2f}M non-embedding params | "
               f"{global_tokens:,} tokens/step | {fpt.model / 1e6:.2f} MFLOPs/token | "
               f"peak {peak / 1e12 if peak else float('nan'):.3g} TFLOP/s/device | TensorBoard: {log_dir}", flush=True)
+    predicted = _predict(model_config, plan, world, cfg) if rank == 0 else None  # only rank 0 prints and logs
+    if predicted is not None:
+        logger.log(first_step, {"predicted_peak_gib": predicted / 2**30})
 
     from tqdm import tqdm
 
@@ -386,9 +428,13 @@ def train(run: RunConfig) -> dict[str, float]:
                "total_s": sum(times)}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
+        mem, mem_label = metrics.peak_memory()
+        memory = f"peak memory {mem / 2**30:.3g} GiB ({mem_label})"
+        if predicted:
+            memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, floor ln({run.data.branching}) = "
-              f"{math.log(run.data.branching):.4f}) | median step {summary['median_step_s']:.3f}s | "
+              f"{math.log(run.data.branching):.4f}) | median step {summary['median_step_s']:.3f}s | {memory} | "
               f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
     return summary
 

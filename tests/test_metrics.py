@@ -309,3 +309,15 @@ def test_moe_flops_count_active_experts_only():
     assert nonembedding_params(config(4)) == count_nonembedding_params(model)
     per_expert = 3 * 32 * 48
     assert nonembedding_params(config(4)) - nonembedding_params(config(1)) == 2 * 3 * per_expert
+
+
+@pytest.mark.parametrize("preset,world,positive", [("debug_cpu", 8, True), ("moe_debug_cpu", 4, False)])
+def test_recipe_predicts_peak_memory(recipe, preset: str, world: int, positive: bool) -> None:
+    """The recipe prints this beside the measured peak; MoE models are not estimated (None, not a crash)."""
+    run = recipe.load_config(str(ROOT / "recipes" / "configs" / f"{preset}.toml"))
+    config, _, _ = recipe.build_model_config(run.model)
+    predicted = recipe.predicted_peak_bytes(config, run.plan, world, run.train)
+    if positive:
+        assert isinstance(predicted, int) and predicted > 0
+    else:
+        assert predicted is None
