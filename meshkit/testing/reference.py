@@ -109,6 +109,9 @@ class BatchSpec:
         return torch.stack(rows)
 
 
+ADAM_EPS = 1e-5
+
+
 @dataclass
 class Comparison:
     """Worst absolute differences, sharded vs reference, and the reference scale they compare to."""
@@ -138,8 +141,12 @@ def compare_training(plan: meshkit.Plan | str, model: ModelSpec, batch: BatchSpe
     pm = meshkit.parallelize(sharded_model, plan)
     if meta_init:
         pm.load_full_state_dict(ref.state_dict())
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    # Adam's update g / (|g| + eps) has slope 1/eps at g = 0: with the default eps = 1e-8, fp32 noise
+    # of 1e-9 on a near-zero gradient component flips that component's update by up to lr. eps = 1e-5
+    # still normalises real gradients (~1e-2) but keeps noise-level components linear, so parameters
+    # compare at ~1e-7 while a real error (a missing reduction) still shows at the scale of lr.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=ADAM_EPS)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr, eps=ADAM_EPS)
     out = Comparison()
     ref_params = dict(ref.named_parameters())
     for step in range(steps):
