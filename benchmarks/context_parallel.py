@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import _cp_worker as worker  # benchmarks/ is on sys.path when this file runs as a script
+import _launch  # benchmarks/ is on sys.path when this file runs as a script
 import torch
 
 from meshkit.context_parallel import kv_replication, score_elements
@@ -537,20 +537,10 @@ def _zigzag_turn(shards: dict, plan: list, forward: Callable, backward: Callable
 # ---------------------------------------------------------------------------------- driver
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(world: int, spec: dict) -> dict:
-    """Fork `world` gloo ranks (fork: the parent's imports are shared, no re-import per rank)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.start_processes(worker.run, args=(world, free_port(), spec, path), nprocs=world,
-                                              start_method="fork")
-        with open(path) as f:
-            return json.load(f)
+    """Fork `world` gloo ranks running this benchmark's worker; rank 0's JSON result."""
+    return _launch.launch(worker.run, world, spec)
 
 
 def probe_hf_torch_cp(world: int, spec: dict) -> dict[int, str | None]:
@@ -559,7 +549,7 @@ def probe_hf_torch_cp(world: int, spec: dict) -> dict[int, str | None]:
     spec = dict(spec, model=dict(spec["model"], layers=1), shape=dict(spec["shape"], seq=16 * world))
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            torch.multiprocessing.start_processes(worker.probe_hf_torch_cp, args=(world, free_port(), spec, tmp),
+            torch.multiprocessing.start_processes(worker.probe_hf_torch_cp, args=(world, _launch.free_port(), spec, tmp),
                                                   nprocs=world, start_method="fork")
         except Exception as e:  # noqa: BLE001 - a rank killed by gloo still leaves the others' reasons
             print(f"[context_parallel] torch CP probe world ended with {worker.first_line(e)}", file=sys.stderr)

@@ -27,14 +27,13 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _launch  # benchmarks/ is on sys.path when this file runs as a script
 import torch
 import torch.distributed as dist
 
@@ -351,20 +350,10 @@ def gemm_section(args: argparse.Namespace) -> list[str]:
 # ------------------------------------------------------------------------------ driver
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(world: int, spec: dict) -> list:
-    """Fork `world` gloo ranks (fork: the parent's imports are shared, no re-import per rank)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.start_processes(rank_main, args=(world, free_port(), spec, path), nprocs=world,
-                                              start_method="fork")
-        with open(path) as f:
-            return json.load(f)
+    """Fork `world` gloo ranks running this benchmark's worker; rank 0's JSON result."""
+    return _launch.launch(rank_main, world, spec)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -27,14 +27,11 @@ medians of per-repetition ratios. Nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +39,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import _launch  # benchmarks/ is on sys.path when this file runs as a script
 import _pipeline_torch as torch_pp  # benchmarks/ is on sys.path when this file runs as a script
 import _pipeline_worker as worker
 import torch
@@ -401,20 +399,10 @@ def timelines(p: int, m: int, costs_ms: Sequence[float], out: Path,
 # ----------------------------------------------------------------------------------------- driver
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(world: int, spec: dict) -> list[dict]:
-    """Fork `world` gloo ranks (fork: the parent's imports are shared, no re-import per rank)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.start_processes(worker.run, args=(world, free_port(), spec, path), nprocs=world,
-                                              start_method="fork")
-        with open(path) as f:
-            return json.load(f)
+    """Fork `world` gloo ranks running this benchmark's worker; rank 0's JSON result."""
+    return _launch.launch(worker.run, world, spec)
 
 
 def run_world(world: int, spec: dict, notes: list[str]) -> list[dict]:
