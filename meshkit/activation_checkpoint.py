@@ -64,6 +64,7 @@ class CheckpointedBlock(nn.Module):
         self.mode = mode
 
     def forward(self, *args, **kwargs):
+        """Run the wrapped block under checkpointing; arguments pass through unchanged."""
         extra = {"context_fn": _selective_context} if self.mode == "selective" else {}
         return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 

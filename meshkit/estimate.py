@@ -114,6 +114,7 @@ class Workload:
     mfu: float = 0.45            # fraction of peak the kernels reach (recompute included)
 
     def global_tokens(self, plan: Plan) -> int:
+        """Tokens one optimizer step consumes under `plan` (dp x microbatches x mbs x seq)."""
         return plan.dp * self.mbs * self.microbatches * self.seq
 
     def calls(self, plan: Plan) -> int:
@@ -197,6 +198,7 @@ class ModelState:
 
     @property
     def persistent(self) -> int:
+        """Bytes that live across steps: parameter shards, gradients, optimizer states."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
@@ -250,12 +252,14 @@ class Collective:
 
     @property
     def wire(self) -> float:
+        """Bytes this rank sends over the link for all calls of this collective."""
         n = self.group
         factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
                   "all_to_all": (n - 1) / n}.get(self.kind, 1.0)
         return self.calls * self.buffer * factor
 
     def time(self, latency: float = 0.0) -> float:
+        """Seconds the calls take: wire bytes over the link bandwidth plus a latency per call."""
         return self.wire / self.bandwidth + self.calls * latency
 
 
@@ -451,15 +455,18 @@ class RankMemory:
 
     @property
     def activations(self) -> int:
+        """Activation bytes held at the peak (all in-flight microbatches)."""
         return self.held_blocks * sum(self.per_block.values()) + self.in_flight * self.shared + sum(self.head.values())
 
     @property
     def peak(self) -> int:
+        """Peak bytes: persistent state, activations and transient buffers."""
         return self.state.persistent + self.activations + self.transient + self.fsdp_buffers
 
 
 @dataclass
 class Estimate:
+    """Everything the estimator derives for one plan: memory per rank, FLOPs, communication, time."""
     config: Any
     plan: Plan
     workload: Workload
@@ -472,18 +479,22 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
+        """The worst rank's peak memory."""
         return self.memory.peak
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens per optimizer step."""
         return self.workload.global_tokens(self.plan)
 
     @property
     def step_time(self) -> float:
+        """Estimated seconds per step: compute, pipeline bubble and exposed communication."""
         return self.times["step"]
 
     @property
     def mfu(self) -> float:
+        """Model FLOPs utilisation the estimated step time implies."""
         per_rank = self.flops.model * self.tokens_per_step / self.plan.world_size
         return per_rank / (self.step_time * self.device.peak_flops)
 
@@ -683,6 +694,7 @@ def parse_tokens(text: str) -> int:
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The command-line flags shared by `meshkit.estimate` and `meshkit.plan_search`."""
     parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), config.json or dir")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs")
@@ -698,6 +710,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 
 def device_from_args(args: argparse.Namespace) -> Device:
+    """The device preset, with any bandwidth or peak overrides from the flags applied."""
     d = DEVICES[args.device]
     changes = {k: v for k, v in (("peak_flops", args.peak_tflops and args.peak_tflops * 1e12),
                                  ("nvlink_bw", args.nvlink_gbps and args.nvlink_gbps * 1e9),
@@ -708,6 +721,7 @@ def device_from_args(args: argparse.Namespace) -> Device:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
     parser = build_parser()
     parser.add_argument("--plan", default="", help='e.g. "tp=8,dp_shard=-1" (meshkit.Plan.from_string)')
     parser.add_argument("--mbs", type=int, default=1, help="sequences per microbatch per data-parallel rank")

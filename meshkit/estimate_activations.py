@@ -266,6 +266,7 @@ def _trace_block_cached(config_json: str, seq: int, tp: int, dtype: str) -> Bloc
 
 
 def block_hidden(parts: llama.CausalLMParts) -> int:
+    """Hidden size of the residual stream (the final norm's width)."""
     return parts.norm.weight.shape[0]
 
 

@@ -254,6 +254,7 @@ class TensorBoardLogger:
             self._writer = SummaryWriter(log_dir=log_dir)
 
     def log(self, step: int, scalars: Mapping[str, float | None], prefix: str = "train/") -> None:
+        """Write each non-None value as a scalar at `step` (rank 0 only)."""
         if self._writer is None:
             return
         for key, value in scalars.items():
@@ -261,10 +262,12 @@ class TensorBoardLogger:
                 self._writer.add_scalar(prefix + key, float(value), step)
 
     def text(self, tag: str, value: str) -> None:
+        """Write a text record (the run's configuration, say) once."""
         if self._writer is not None:
             self._writer.add_text(tag, value)
 
     def close(self) -> None:
+        """Flush and close the event file."""
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
@@ -333,6 +336,7 @@ def _group_of(args: tuple) -> tuple[str | None, int | None]:
 
 @dataclass
 class CommStat:
+    """Calls and bytes of one collective kind on one mesh axis."""
     count: int = 0
     bytes: int = 0  # sum of full buffer sizes: gathered output, scattered input, reduced tensor
 
@@ -375,6 +379,7 @@ class CommCounter:
         self._mode.__exit__(*exc)
 
     def total_bytes(self) -> int:
+        """Bytes over every collective counted so far."""
         return sum(s.bytes for s in self.stats.values())
 
     def wire_bytes(self, kind: str, axis: str) -> float:

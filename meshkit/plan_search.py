@@ -40,15 +40,18 @@ def check_structure(plan: Plan, config: Any, world: int, seq: int) -> None:
 
 @dataclass(frozen=True)
 class Candidate:
+    """A plan that fits, with the workload it was estimated for and its estimate."""
     plan: Plan
     workload: est.Workload
     estimate: est.Estimate
 
     @property
     def family(self) -> str:
+        """The set of parallelisms the plan uses, e.g. 'tp+fsdp'."""
         return family(self.plan)
 
     def describe(self) -> str:
+        """One line: degrees, AC mode, microbatching."""
         w = self.workload
         text = f"{self.plan.describe()} ac={self.plan.activation_checkpointing} mbs={w.mbs} m={w.microbatches}"
         if self.plan.pp > 1:
@@ -59,6 +62,7 @@ class Candidate:
 
 @dataclass
 class SearchResult:
+    """Fitting plans ranked by step time, and why each family with none failed."""
     plans: list[Candidate]           # fitting plans, fastest first
     rejected: dict[str, str]         # family -> why none of its plans was returned
     considered: int = 0
@@ -66,6 +70,7 @@ class SearchResult:
 
 
 def family(plan: Plan) -> str:
+    """Name of the parallelism family of `plan` (the axes above degree 1)."""
     parts = [name for name in ("pp", "cp", "tp", "ep") if getattr(plan, name) > 1]
     if plan.dp_replicate > 1:
         parts.append("hsdp" if plan.dp_shard > 1 else "ddp")
@@ -169,6 +174,7 @@ def _dominant(e: est.Estimate) -> str:
 
 
 def render(result: SearchResult, limit: float, world: int) -> str:
+    """The search result as the table the CLI prints."""
     lines = [f"{len(result.plans)} best of {result.considered} plans estimated that fit "
              f"{limit / est.GiB:.1f} GiB per GPU, fastest first:"]
     lines.append(f"  {'#':>2} {'step ms':>8} {'MFU':>6} {'tok/s/GPU':>10} {'peak GiB':>9} {'bubble':>7} "
@@ -189,6 +195,7 @@ def render(result: SearchResult, limit: float, world: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
     parser = est.build_parser("Search meshkit plans that fit memory, ranked by estimated step time.")
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)

@@ -40,6 +40,7 @@ class CausalLMStage(nn.Module):
         self.rotary = rotary
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids or hidden states in; logits (last stage) or hidden states out."""
         hidden = self.embed(inputs) if self.embed is not None else inputs
         position_embeddings = self.rotary(hidden, position_ids)
         extra = {DOC_IDS_KWARG: doc_ids} if doc_ids is not None else {}

@@ -45,6 +45,7 @@ BACKENDS = ("auto", "cpu_flash", "flash", "efficient", "cudnn", "reference")
 
 
 def default_scale(head_dim: int) -> float:
+    """1/sqrt(head_dim), SDPA's default softmax scale."""
     return 1.0 / math.sqrt(head_dim)
 
 

@@ -121,6 +121,7 @@ def _half(x: torch.Tensor, half: int | None, dim: int) -> torch.Tensor:
 
 
 def as_group(group: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The ProcessGroup of a 1D mesh or group (None: the default group)."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(f"context-parallel attention needs a 1D mesh for its axis, got {group.ndim}D")

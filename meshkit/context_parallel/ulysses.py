@@ -82,6 +82,7 @@ def gather_seq(x_BS: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Ten
 
 
 def check_ulysses(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, degree: int) -> int:
+    """Validate Ulysses divisibility for these shapes; return the KV replication factor."""
     if q_BHSD.dim() != 4 or k_BHSD.shape != v_BHSD.shape or k_BHSD.shape[2] != q_BHSD.shape[2]:
         raise ValueError(
             f"Ulysses needs q [B, H, S/P, D] and k, v [B, Hkv, S/P, D] shards; got {tuple(q_BHSD.shape)}, "

@@ -151,6 +151,7 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_local_experts(self) -> int:
+        """Experts this rank holds (all of them without expert parallelism)."""
         return _local(self.gate_up_proj).shape[0]
 
     def forward(self, x_GH: Tensor, tokens_per_expert: Sequence[int], counts_E: Tensor | None = None) -> Tensor:
@@ -169,6 +170,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
+        """down(silu(gate(x)) * up(x))."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

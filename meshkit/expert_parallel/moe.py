@@ -216,6 +216,7 @@ class MoE(nn.Module):
 
     @property
     def num_local_experts(self) -> int:
+        """Experts this rank holds (num_experts / ep)."""
         return self.experts.num_local_experts
 
     def _apply(self, fn, recurse: bool = True):
@@ -227,6 +228,7 @@ class MoE(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
+        """Initialise router, experts and shared expert weights as normal(0, init_std)."""
         for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
             nn.init.normal_(p, std=self.init_std)
         if self.shared_expert is not None:
@@ -282,6 +284,7 @@ class MoE(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
+        """Route each token to its top-k experts (across ranks under EP) and combine; shape preserved."""
         x_TH = x.reshape(-1, self.hidden_size)
         logits_TE = F.linear(x_TH.float(), _local(self.gate.weight).float())
         recompute = in_backward()
@@ -370,6 +373,7 @@ class MoE(nn.Module):
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:
+    """Every meshkit MoE layer under `module`."""
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 

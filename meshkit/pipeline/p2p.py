@@ -39,6 +39,7 @@ class TensorMeta:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        """The metadata of an existing tensor."""
         return cls(tuple(tensor.shape), tensor.dtype)
 
 

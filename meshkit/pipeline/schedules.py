@@ -30,6 +30,7 @@ class ScheduleError(ValueError):
 
 
 class ActionKind(Enum):
+    """What an action does: compute (F, B, W, BW) or move data (SEND/RECV of F or B)."""
     F = "F"  # forward
     B = "B"  # backward for the input gradient only; frees the critical path, W comes later
     W = "W"  # weight gradient of a microbatch whose B already ran
@@ -65,6 +66,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
+        """True for F, B, W and BW; False for sends and receives."""
         return self.kind in COMPUTE_KINDS
 
     def __str__(self) -> str:
@@ -118,6 +120,7 @@ class Schedule:
 
     @property
     def num_ranks(self) -> int:
+        """Pipeline ranks the schedule has action lists for."""
         return len(self.ranks)
 
     def stage_ranks(self) -> dict[int, set[int]]:

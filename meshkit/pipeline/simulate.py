@@ -51,6 +51,7 @@ class Costs:
             object.__setattr__(self, field, _exact(field, getattr(self, field)))
 
     def duration(self, action: Action) -> Fraction:
+        """Time one compute action takes (BW costs B + W); sends and receives cost nothing here."""
         return {
             F: self.forward,
             B: self.backward_input,
@@ -61,6 +62,7 @@ class Costs:
 
 @dataclass(frozen=True)
 class Span:
+    """One action's start and end on one rank's timeline."""
     action: Action
     start: Fraction
     end: Fraction
@@ -83,6 +85,7 @@ class SimulationResult:
 
     @property
     def idle(self) -> tuple[Fraction, ...]:
+        """Per-rank idle time: step time minus busy time."""
         return tuple(self.step_time - busy for busy in self.busy)
 
     @property

@@ -61,6 +61,7 @@ class PendingWeightGrads:
 
     def add(self, weight: torch.Tensor | None, bias: torch.Tensor | None, x: torch.Tensor,
             grad_out: torch.Tensor) -> None:
+        """Queue one layer's weight-gradient work for the microbatch's W action."""
         self._factors.append((weight, bias, x, grad_out))
 
     def run(self) -> None:

@@ -47,6 +47,7 @@ class ModelSpec:
     bias_update_rate: float = 0.0  # > 0: DeepSeek-V3 router-bias balancing
 
     def config(self):
+        """The HF config of this tiny model."""
         cfg_cls, _ = MODEL_CLASSES[self.kind]
         extra = {}
         if self.kind == "mixtral":
@@ -62,6 +63,7 @@ class ModelSpec:
         )
 
     def build(self, device: str = "cpu"):
+        """Build the model from `seed` on `device` (same weights every call)."""
         _, model_cls = MODEL_CLASSES[self.kind]
         torch.manual_seed(self.seed)
         with torch.device(device):
@@ -88,6 +90,7 @@ class BatchSpec:
     documents: int = 1  # > 1: packed rows, position ids restarting at random document boundaries
 
     def make(self, vocab: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and labels of the global batch for `step` (deterministic)."""
         gen = torch.Generator().manual_seed(self.seed * 1000 + step)
         ids = torch.randint(0, vocab, (self.batch, self.seq), generator=gen)
         labels = ids.clone()
