@@ -32,3 +32,13 @@ def launch(entry: Callable, world: int, spec: dict) -> Any:
                                               start_method="fork")
         with open(path) as f:
             return json.load(f)
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print the report and, with `--out`, write the same markdown to that file."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)

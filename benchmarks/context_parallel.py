@@ -683,12 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += memory_section(results[args.cp], args.cp, shape, args.mem_seqs)
     lines += gpu_section(args)
     lines.append(f"Total runtime {time.perf_counter() - start:.0f} s.")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    _launch.emit(lines, args.out)
     return 0
 
 

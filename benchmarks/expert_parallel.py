@@ -393,12 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += timing_section(results, spec["time_shape"], args.reps)
     lines += gemm_section(args)
     lines.append(f"Total runtime {time.perf_counter() - start:.0f} s.")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    _launch.emit(lines, args.out)
     return 0
 
 
