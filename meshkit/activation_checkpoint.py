@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 def _saved_ops() -> set:
     aten = torch.ops.aten
     names = [
-        "mm", "addmm", "bmm", "linear",
+        "mm", "addmm", "bmm", "linear", "_grouped_mm",  # the last: MoE experts (aten op of torch._grouped_mm)
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
@@ -74,9 +74,16 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, full_only
 
     Blocks for which `full_only` is true get full checkpointing under "selective": selective
     checkpointing replays the forward's op sequence by position, which a block whose recompute
-    legitimately skips ops (an MoE layer replaying its stored routing under TP) would break.
+    legitimately skips ops (an MoE layer replaying its stored routing under TP or EP, where the
+    forward's dispatch planning issues collectives the recompute does not) would break.
     """
     if mode == "none":
         return list(blocks)
     return [CheckpointedBlock(block, "full" if mode == "selective" and full_only(block) else mode)
             for block in blocks]
+
+
+def moe_blocks_full(tp: int, ep: int) -> bool:
+    """Whether "selective" checkpoints MoE blocks fully: with tp > 1 or ep > 1 their recompute replays
+    the stored routing without the forward's dispatch planning, which SAC's op replay cannot follow."""
+    return tp > 1 or ep > 1

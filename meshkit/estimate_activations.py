@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from meshkit._compat import dispatch_mode_base, fake_tensor_mode, storage_key, storage_nbytes
-from meshkit.activation_checkpoint import is_saved_op
+from meshkit.activation_checkpoint import is_saved_op, moe_blocks_full
 from meshkit.models import llama
+from meshkit.models.moe import moe_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",
@@ -129,6 +130,9 @@ def _build(config_json: str, tp: int, vocab: int | None, dtype: str) -> tuple[An
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
     llama.check_supported(model)
     _pin_attention(model)
+    if moe_spec(cfg) is not None:  # routing is data-dependent: estimate_moe measures the MoE layer itself
+        for block in llama.parts(model).blocks:
+            block.mlp = nn.Identity()
     mode = fake_tensor_mode()
     with mode:
         model.to_empty(device="cpu")
@@ -306,8 +310,10 @@ def trace_head(config: Any, seq: int, tp: int = 1, loss_parallel: bool = True, d
 
 def _check_tp(config: Any, tp: int) -> None:
     heads, kv, _ = _attn_dims(config)
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                        ("intermediate_size", config.intermediate_size)):
+    dims = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
+    if moe_spec(config) is None:  # experts are never split by TP
+        dims.append(("intermediate_size", config.intermediate_size))
+    for name, value in dims:
         if value % tp:
             raise ValueError(f"tp={tp} does not divide {name}={value}; fix: use a tp that divides it")
 
@@ -316,7 +322,7 @@ def _check_tp(config: Any, tp: int) -> None:
 
 
 def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                      dtype: str = "bfloat16", ac: str = "none") -> dict[str, int]:
+                      dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> dict[str, int]:
     """Bytes one block keeps between its forward and backward, by part, on one rank.
 
     `seq` is the rank's sequence length (already divided by cp). The rotary cos/sin are not
@@ -326,13 +332,21 @@ def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequenc
         raise ValueError(f"ac={ac!r}: must be one of {AC_MODES}")
     trace = trace_block(config, seq, tp, dtype)
     sp = tp if (tp > 1 and sequence_parallel) else 1
+    moe = moe_spec(config) is not None
+    if moe and ac == "selective" and moe_blocks_full(tp, ep):
+        ac = "full"  # what parallelize does: SAC's op replay cannot follow the routing replay
     if ac == "none":
-        return {part: batch * (n // sp if part in _SEQ_SHARDED else n) for part, n in trace.saved.items()}
-    out = {"checkpoint_input": batch * trace.block_input // sp}
+        out = {part: batch * (n // sp if part in _SEQ_SHARDED else n) for part, n in trace.saved.items()}
+    else:
+        out = {"checkpoint_input": batch * trace.block_input // sp}
     if ac == "selective":
         out.update({part: batch * n for part, n in trace.cached.items()})
-        if sp > 1:  # the two reduce-scatters that end the SP regions are MUST_SAVE too
+        if sp > 1:  # the reduce-scatters that end the SP regions are MUST_SAVE too
             out["reduce_scatter"] = 2 * batch * trace.block_input // sp
+    if moe:  # each TP rank routes its own sequence shard
+        from meshkit import estimate_moe
+
+        out.update(estimate_moe.layer_activations(config, batch * seq // sp, dtype, ac))
     return out
 
 
@@ -364,7 +378,7 @@ def loss_transient(config: Any, *, batch: int, seq: int, tp: int = 1, loss_paral
 
 
 def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                          dtype: str = "bfloat16", ac: str = "none") -> int:
+                          dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> int:
     """Bytes one block needs on top of what it kept while its backward runs.
 
     Under AC the block's dropped tensors come back all at once (recompute), then its gradients
@@ -372,7 +386,7 @@ def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, seq
     gradient in flight. Without AC only the gradient buffers remain.
     """
     kept = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
-                                 dtype=dtype, ac=ac).values())
+                                 dtype=dtype, ac=ac, ep=ep).values())
     everything = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
                                        dtype=dtype, ac="none").values())
     largest = batch * trace_block(config, seq, tp, dtype).largest

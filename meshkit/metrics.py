@@ -18,7 +18,9 @@ MFU divides model FLOP/s by the device's peak. HFU also credits the FLOPs activa
 checkpointing spends recomputing. Full AC re-runs each block's forward: `2 * N_block` plus the
 attention forward `4 * L * n_heads * head_dim * s` per token, minus the block's last matmul
 (`down_proj`): torch's non-reentrant checkpoint stops recomputing once every saved tensor is back,
-and nothing saves down_proj's output (it only feeds the residual add). meshkit's selective AC saves
+and nothing saves down_proj's output (it only feeds the residual add). An MoE block is re-run
+whole: meshkit's combine multiplies the experts' outputs by the routing weights, which saves them.
+MoE blocks count their *active* parameters (router plus top_k experts), as MoE MFU figures do. meshkit's selective AC saves
 matmul and attention outputs and recomputes only elementwise ops and norms, which this convention
 counts as zero, so selective HFU == MFU. tests/test_metrics.py checks all three against
 FlopCounterMode exactly.
@@ -94,15 +96,21 @@ def nonembedding_params(config: Any) -> int:
     For MoE configs only the *active* parameters count (router, and top_k of num_experts experts in
     each MoE block): they are what a token's FLOPs touch, which is what MFU measures.
     """
+    return sum(active_block_params(config, i) for i in range(config.num_hidden_layers)) + config.hidden_size + \
+        config.hidden_size * config.vocab_size
+
+
+def active_block_params(config: Any, layer: int = 0) -> int:
+    """Parameters of decoder block `layer` that one token's matmuls touch: the whole block when dense;
+    for an MoE block the router and top_k of its experts instead of the dense MLP."""
     from meshkit.models.moe import moe_spec
 
-    total = config.num_hidden_layers * block_params(config) + config.hidden_size + config.hidden_size * config.vocab_size
     spec = moe_spec(config)
-    if spec is not None:
-        dense_mlp = 3 * config.hidden_size * config.intermediate_size
-        active = spec.top_k * 3 * config.hidden_size * spec.intermediate_size + spec.num_experts * config.hidden_size
-        total += len(spec.layers) * (active - dense_mlp)
-    return total
+    if spec is None or layer not in spec.layers:
+        return block_params(config)
+    dense_mlp = 3 * config.hidden_size * config.intermediate_size
+    active = spec.top_k * 3 * config.hidden_size * spec.intermediate_size + spec.num_experts * config.hidden_size
+    return block_params(config) - dense_mlp + active
 
 
 def count_nonembedding_params(model: torch.nn.Module) -> int:
@@ -115,19 +123,29 @@ def count_nonembedding_params(model: torch.nn.Module) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "none",
-                    n_nonembedding: int | None = None) -> FlopsPerToken:
-    """Training FLOPs per token for a sequence length and AC mode (convention in the module doc)."""
+                    n_nonembedding: int | None = None, *, moe_blocks_full: bool = False) -> FlopsPerToken:
+    """Training FLOPs per token for a sequence length and AC mode (convention in the module doc).
+
+    `moe_blocks_full`: under "selective", MoE blocks are checkpointed fully (what `parallelize` does
+    with tp > 1 or ep > 1, see `activation_checkpoint.moe_blocks_full`), so their recompute counts.
+    """
     if activation_checkpointing not in ("none", "selective", "full"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: must be none, selective or full")
+    from meshkit.models.moe import moe_spec
+
     n = nonembedding_params(config) if n_nonembedding is None else n_nonembedding
     heads, _, d = _attn_dims(config)
     layers = config.num_hidden_layers
-    attn_fwd = 4 * layers * heads * d * seq_len
-    recompute = 0.0
-    if activation_checkpointing == "full":
-        last_matmul = config.intermediate_size * config.hidden_size  # down_proj, see module doc
-        recompute = 2.0 * layers * (block_params(config) - last_matmul) + attn_fwd
-    return FlopsPerToken(dense=6.0 * n, attention=3.0 * attn_fwd, recompute=recompute)
+    spec = moe_spec(config)
+    moe_layers = set(spec.layers) if spec is not None else set()
+    full = {i for i in range(layers) if activation_checkpointing == "full" or (
+        activation_checkpointing == "selective" and moe_blocks_full and i in moe_layers)}
+    # A dense block's last matmul (down_proj) is not re-run; an MoE block's experts are, because the
+    # combine's weighting saves their outputs (see module doc).
+    recompute = float(sum(
+        4 * heads * d * seq_len + 2 * active_block_params(config, i)
+        - (0 if i in moe_layers else 2 * config.intermediate_size * config.hidden_size) for i in full))
+    return FlopsPerToken(dense=6.0 * n, attention=12.0 * layers * heads * d * seq_len, recompute=recompute)
 
 
 # ------------------------------------------------------------------------------------ peak FLOP/s

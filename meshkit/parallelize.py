@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
-from meshkit.activation_checkpoint import apply_activation_checkpointing
+from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
 from meshkit.context_parallel import hf as cp_hf
 from meshkit.expert_parallel import apply_expert_parallel
 from meshkit.models import llama
@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     held_moes = [m for m in moes if any(m is getattr(parts.blocks[i], "mlp", None) for i in held)]
     blocks = list(parts.blocks)
     wrapped = apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing,
-                                             full_only=llama.has_moe if plan.tp > 1 else lambda block: False)
+                                             full_only=llama.has_moe if moe_blocks_full(plan.tp, plan.ep) else lambda block: False)
     for i, block in zip(held, wrapped):
         blocks[i] = block
         if plan.compile:

@@ -1,6 +1,6 @@
 """Plan search: the Playbook's "best configuration" procedure, automated with meshkit's estimator.
 
-1. Fit memory first. Every layout (pp, dp_replicate, dp_shard, cp, tp) is tried with each
+1. Fit memory first. Every layout (pp, dp_replicate, dp_shard, cp, tp, and ep for MoE models) is tried with each
    activation-checkpointing mode and microbatch size; a plan is kept only if the peak memory of its
    worst rank fits the device's budget.
 2. Then meet the global batch: microbatches per step = global tokens / (dp * mbs * seq).
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshkit import estimate as est
+from meshkit.estimate_report import build_parser, device_from_args, parse_tokens
 from meshkit.plan import Plan, PlanError
 
 AC_ORDER = ("none", "selective", "full")
@@ -85,7 +86,9 @@ def _powers(limit: int) -> list[int]:
 
 def layouts(config: Any, world: int, seq: int, device: est.Device) -> list[Plan]:
     """Degree combinations worth estimating: tp inside a node, pp up to the layer count, cp while
-    sequences stay long; what is left of the world is data parallel, sharded or replicated."""
+    sequences stay long; what is left of the world is data parallel, sharded or replicated. For an
+    MoE model every ep dividing both dp_shard x cp (where meshkit folds it) and the expert count."""
+    experts = est.moe.require_supported(config)
     out = []
     for tp, pp, cp in itertools.product(_powers(device.gpus_per_node), _powers(config.num_hidden_layers),
                                         _powers(8)):
@@ -93,7 +96,9 @@ def layouts(config: Any, world: int, seq: int, device: est.Device) -> list[Plan]
             continue
         dp = world // (tp * pp * cp)
         for rep in _powers(dp):
-            out.append(Plan(pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp))
+            shard = dp // rep
+            eps = [e for e in _powers(shard * cp) if experts and experts.num_experts % e == 0] or [1]
+            out.extend(Plan(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, ep=ep) for ep in eps)
     return out
 
 
@@ -101,7 +106,7 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
            top: int = 10, mfu: float = 0.45, memory_fraction: float = 0.9,
            param_dtype: str = "bfloat16") -> SearchResult:
     """Every layout x AC mode x microbatch size (x schedule under pp), estimated; what fits, ranked."""
-    est.require_dense(config)
+    est.moe.require_supported(config)
     device = est.DEVICES[device] if isinstance(device, str) else device
     limit = budget(device, memory_fraction)
     fits: list[Candidate] = []
@@ -196,18 +201,18 @@ def render(result: SearchResult, limit: float, world: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    parser = est.build_parser("Search meshkit plans that fit memory, ranked by estimated step time.")
+    parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.")
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
     args = parser.parse_args(argv)
     config = est.load_config(args.model)
-    device = est.device_from_args(args)
-    result = search(config, args.world, args.seq, est.parse_tokens(args.global_batch_tokens), device,
+    device = device_from_args(args)
+    result = search(config, args.world, args.seq, parse_tokens(args.global_batch_tokens), device,
                     top=args.top, mfu=args.mfu,
                     memory_fraction=args.memory_fraction)
     print(f"model {args.model}, {args.world} x {device.name}, seq {args.seq}, global batch "
-          f"{est.parse_tokens(args.global_batch_tokens):,} tokens, assumed compute efficiency {args.mfu:.0%}")
+          f"{parse_tokens(args.global_batch_tokens):,} tokens, assumed compute efficiency {args.mfu:.0%}")
     print(render(result, budget(device, args.memory_fraction), args.world))
     return 0
 

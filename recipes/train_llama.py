@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import meshkit
 from meshkit import checkpoint, metrics
+from meshkit.activation_checkpoint import moe_blocks_full
 
 # ----------------------------------------------------------------------------------------- config
 
@@ -240,7 +241,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.opt
 
 
 def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
-    """meshkit.estimate's per-rank peak for this run, or None for an MoE model (not estimated yet).
+    """meshkit.estimate's per-rank peak for this run, or None for a stack mixing dense and MoE blocks.
 
     Printed beside the measured peak so a user sees how far the estimator is from their hardware
     before trusting it for a plan they cannot try. The workload mirrors the loop: under pipelining the
@@ -249,7 +250,8 @@ def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg:
     from meshkit import estimate
     from meshkit.models.moe import moe_spec
 
-    if moe_spec(model_config) is not None:
+    spec = moe_spec(model_config)
+    if spec is not None and len(spec.layers) != model_config.num_hidden_layers:
         return None
     plan = plan.resolve(world)
     pipelined = plan.pp > 1
@@ -268,7 +270,7 @@ def _predict(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig
         print(f"meshkit: estimate: failed ({type(err).__name__}: {err}); training continues", flush=True)
         return None
     if predicted is None:
-        print("meshkit: estimate: n/a for MoE", flush=True)
+        print("meshkit: estimate: n/a for stacks mixing dense and MoE blocks", flush=True)
     else:
         print(f"meshkit: estimate: predicted peak {predicted / 2**30:.3g} GiB per rank (meshkit.estimate; "
               "tensors only, so on CPU the measured RSS adds the interpreter and libraries)", flush=True)
@@ -352,7 +354,8 @@ def train(run: RunConfig) -> dict[str, float]:
             print(f"meshkit: resumed from {path} at step {first_step}", flush=True)
     data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size)
 
-    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
+    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
+                                  moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
     global_tokens = pm.dp_size * cfg.local_batch * cfg.grad_accum * cfg.seq_len
     name = _run_name(run)

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
 from meshkit import estimate as est
 from meshkit import estimate_activations as acts
@@ -40,8 +40,24 @@ MESH_MODEL = dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num
                   num_key_value_heads=2, head_dim=8, vocab_size=258)
 
 
-def _config(kw: dict) -> LlamaConfig:
+# Mixtral-shaped: 4 experts of width 40, top-2; 2 experts per rank under ep=2.
+MOE_MODEL = dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=8, vocab_size=258, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _config(kw: dict):
+    if "num_local_experts" in kw:
+        return MixtralConfig(max_position_embeddings=512, use_cache=False, sliding_window=None, **kw)
     return LlamaConfig(max_position_embeddings=512, use_cache=False, **kw)
+
+
+def _model(config) -> torch.nn.Module:
+    """The HF model, with its sparse blocks already meshkit MoE layers (what `parallelize` runs)."""
+    from meshkit.models.moe import convert_moe_blocks
+
+    model = AutoModelForCausalLM.from_config(config)
+    convert_moe_blocks(model)
+    return model
 
 
 # ------------------------------------------------------------------- ground truth: live storages
@@ -110,7 +126,7 @@ def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -
     from meshkit.stage import CausalLMStage
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype)
+    model = _model(config).to(dtype)
     acts._pin_attention(model)
     parts = llama.parts(model)
     stage = CausalLMStage(dict(enumerate(apply_activation_checkpointing(parts.blocks, ac))), parts.rotary,
@@ -128,11 +144,11 @@ def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -
     return live
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize("name", sorted(SMALL) + ["moe"])
 @pytest.mark.parametrize("ac", acts.AC_MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_activations_match_saved_tensors(name: str, ac: str, dtype: str) -> None:
-    config = _config(SMALL[name])
+    config = _config(MOE_MODEL if name == "moe" else SMALL[name])
     batch, seq = 2, 40
     measured = _measure_single(config, ac, batch, seq, acts.DTYPES[dtype])
     estimated = _estimated_activations(config, batch=batch, seq=seq, tp=1, ac=ac, dtype=dtype)
@@ -152,7 +168,7 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     config = _config(model_kw)
     plan = Plan.from_string(plan_text)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = _model(config)
     pm = meshkit.parallelize(model, plan)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(pm.dp_rank))
     measured: dict = {}
@@ -184,9 +200,15 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     pm.check_inputs = False  # its few-byte agreement checks are not part of the estimate
     with CommCounter(pm.mesh) as counter:
         pm.forward_backward(ids, ids)
+    experts = {}
+    if plan.ep > 1 or pm.mesh["tp"].size() < pm.mesh.size():
+        from meshkit.mesh import expert_axes
+
+        ep_mesh, outer = expert_axes(pm.mesh, plan.ep)  # the groups parallelize made (the mesh caches them)
+        experts = {"ep": ep_mesh.get_group(), "ep_fsdp": outer.get_group()}
     comm: dict[str, int] = {}
     for (kind, label), stat in counter.stats.items():
-        key = f"{kind}@{_axis_label(label, pm.mesh)}"
+        key = f"{kind}@{_axis_label(label, pm.mesh, experts)}"
         comm[key] = comm.get(key, 0) + stat.bytes
     measured["comm"] = comm
     measured["tp_rank"] = pm.mesh["tp"].get_local_rank()
@@ -195,7 +217,7 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     return measured
 
 
-def _axis_label(label: str, mesh) -> str:
+def _axis_label(label: str, mesh, experts: dict) -> str:
     """CommCounter's label, with groups it could not name matched to a mesh axis by their ranks.
 
     A pool worker runs several plans; DTensor's sharding cache can hand a later mesh the redistribute
@@ -211,6 +233,9 @@ def _axis_label(label: str, mesh) -> str:
     ranks = dist.get_process_group_ranks(_resolve_process_group(label[len("group:"):]))
     for name in ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate"):
         if dist.get_process_group_ranks(axis(mesh, name).get_group()) == ranks:
+            return name
+    for name, group in experts.items():
+        if dist.get_process_group_ranks(group) == ranks:
             return name
     return label
 
@@ -277,6 +302,65 @@ def test_communication_matches_comm_counter(mesh_runs, key: str) -> None:
         assert counted == pytest.approx(predicted), f"{key}, rank {rank}"
 
 
+# -------------------------------------------------------------------------- mixture of experts
+
+# Experts split over ep and FSDP'd over the rest (fp32, AC none); TP with SP and per-rank routing under
+# full AC; HSDP in bf16 with selective AC. Routing is whatever the random router does: per-rank
+# all-to-all and expert activations vary with it, their sums over the ranks do not.
+MOE_PLANS = {
+    "moe_ep_fsdp": "dp_shard=4,ep=2",
+    "moe_tp_ep_full": "tp=2,dp_shard=2,ep=2,activation_checkpointing=full",
+    "moe_hsdp_ep_bf16": "dp_replicate=2,dp_shard=2,ep=2,param_dtype=bfloat16,activation_checkpointing=selective",
+}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(dist) -> dict[str, list[dict]]:
+    return {key: dist(4).run(_measure_on_rank, plan, MOE_MODEL, MESH_BATCH, MESH_SEQ) for key, plan in MOE_PLANS.items()}
+
+
+@pytest.mark.parametrize("key", sorted(MOE_PLANS))
+def test_moe_model_state_exact_on_mesh(moe_runs, key: str) -> None:
+    config, plan = _config(MOE_MODEL), Plan.from_string(MOE_PLANS[key]).resolve(4)
+    for rank, r in enumerate(moe_runs[key]):
+        state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
+        assert (state.param_bytes, state.grad_bytes, state.optimizer_bytes) == (
+            r["params"], r["grads"], r["optimizer"]), f"{key}, rank {rank}"
+
+
+@pytest.mark.parametrize("key", sorted(MOE_PLANS))
+def test_moe_activations_on_mesh(moe_runs, key: str) -> None:
+    """Uniform routing is exact on average over the ranks; each rank within 10% of it as well."""
+    config, plan = _config(MOE_MODEL), Plan.from_string(MOE_PLANS[key]).resolve(4)
+    estimated = est.estimate(config, plan, 4, _mesh_workload(plan)).memory.activations
+    measured = [r["activations"] for r in moe_runs[key]]
+    assert abs(estimated - sum(measured) / 4) / (sum(measured) / 4) < 0.10, (key, estimated, measured)
+
+
+@pytest.mark.parametrize("key", sorted(MOE_PLANS))
+def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
+    """tp, FSDP, expert-FSDP and HSDP bytes exact on every rank; the expert-parallel all-to-alls exact
+    in total over the ranks (each rank sends T*K rows; what it receives depends on the routing)."""
+    config, plan = _config(MOE_MODEL), Plan.from_string(MOE_PLANS[key]).resolve(4)
+    total_a2a = 0.0
+    for rank, r in enumerate(moe_runs[key]):
+        state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
+        predicted: dict[str, float] = {}
+        for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
+            label = f"{c.kind}@{c.axis}"
+            predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
+        # Groups that coincide get one name: with cp = 1 the FSDP group is dp_shard's, and with
+        # ep = dp_shard x cp the ep group is the FSDP group. All-to-alls are the experts' (no Ulysses).
+        comm = {"all_to_all@ep" if k.startswith("all_to_all@") else
+                k.replace("@dp_shard", "@dp_shard_cp") if k.endswith("@dp_shard") else k: v
+                for k, v in r["comm"].items()}
+        counted = {k: v for k, v in comm.items()
+                   if k.split("@")[1] in ("tp", "dp_shard_cp", "dp_replicate", "ep", "ep_fsdp") and v > 64}
+        total_a2a += counted.pop("all_to_all@ep") - predicted.pop("all_to_all@ep")
+        assert counted == pytest.approx(predicted), f"{key}, rank {rank}: {counted} vs {predicted}"
+    assert total_a2a == 0
+
+
 # ------------------------------------------------------------------------------------ pipeline
 
 
@@ -324,6 +408,18 @@ def test_presets_have_the_published_sizes() -> None:
         assert abs(total - expected) / expected < 0.005, (name, total)
 
 
+def test_moe_presets_have_the_published_sizes() -> None:
+    """Mixtral-8x7B: 46.7B parameters, 12.9B active; Qwen3-30B-A3B: 30.5B, 3.3B active (embeddings in)."""
+    from meshkit import metrics
+
+    for name, total, active in (("mixtral-8x7b", 46.70e9, 12.88e9), ("qwen3-30b-a3b", 30.53e9, 3.35e9)):
+        config = est.load_config(name)
+        params = est.model_state(config, Plan()).params
+        assert abs(params - total) / total < 0.005, (name, params)
+        n_active = metrics.nonembedding_params(config) + config.vocab_size * config.hidden_size
+        assert abs(n_active - active) / active < 0.01, (name, n_active)
+
+
 def test_playbook_zero_formulas() -> None:
     config = est.load_config("llama3-8b")
     state = est.model_state(config, Plan(dp_shard=8))
@@ -369,6 +465,25 @@ def test_plan_search_returns_valid_plans_that_fit(world, seq, memory_mib, batch_
     assert result.plans or result.rejected
     times = [c.estimate.step_time for c in result.plans]
     assert times == sorted(times)
+
+
+@settings(deadline=None, max_examples=6)
+@given(world=st.sampled_from([4, 8]), memory_mib=st.sampled_from([24, 64, 1024]))
+def test_plan_search_moe_returns_valid_expert_parallel_plans(world, memory_mib) -> None:
+    import dataclasses
+
+    from meshkit import plan_search
+
+    config = _config(dict(MOE_MODEL, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                          num_key_value_heads=4, head_dim=16, num_local_experts=8, vocab_size=2048))
+    device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=memory_mib * 2**20)
+    result = plan_search.search(config, world, 512, 32 * 512, device, top=50)
+    for cand in result.plans:
+        cand.plan.validate(config, world, 512)
+        assert config.num_local_experts % cand.plan.ep == 0 and (cand.plan.dp_shard * cand.plan.cp) % cand.plan.ep == 0
+        assert est.estimate(config, cand.plan, world, cand.workload, device).peak_bytes <= plan_search.budget(device)
+    families = set(result.best_by_family) | set(result.rejected)
+    assert any("ep" in f for f in families), families
 
 
 def test_plan_search_explains_rejections() -> None:

@@ -1,0 +1,229 @@
+"""Communication of one training step under a plan: every collective, its link and what overlap hides.
+
+Counted in `metrics.CommCounter`'s unit (a collective's full logical buffer per call) so tests can
+compare the two byte for byte on a CPU mesh; `Collective.wire` converts to what a rank sends under
+ring algorithms. docs/estimate.md derives each entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from meshkit import estimate_activations as acts
+from meshkit import estimate_moe as moe
+from meshkit.plan import Plan
+
+if TYPE_CHECKING:
+    from meshkit.estimate import Device, ModelState, Workload
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective on one axis, per step, on one rank.
+
+    `buffer` is the collective's full logical buffer per call (all-gather output, reduce-scatter
+    input, all-reduce tensor, all-to-all input, P2P message), the unit `metrics.CommCounter`
+    counts; `wire` is what one rank sends under ring algorithms.
+    """
+
+    axis: str
+    kind: str
+    what: str
+    calls: int
+    buffer: float
+    group: int
+    bandwidth: float
+    link: str
+    exposed: float = 0.0
+
+    @property
+    def wire(self) -> float:
+        """Bytes this rank sends over the link for all calls of this collective."""
+        n = self.group
+        factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
+                  "all_to_all": (n - 1) / n}.get(self.kind, 1.0)
+        return self.calls * self.buffer * factor
+
+    def time(self, latency: float = 0.0) -> float:
+        """Seconds the calls take: wire bytes over the link bandwidth plus a latency per call."""
+        return self.wire / self.bandwidth + self.calls * latency
+
+
+_MESH = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
+    """(link name, bandwidth) of an axis's groups: NVLink when a group's ranks share a node.
+
+    Ranks are laid out by the mesh order, tp innermost, so a group of axis a spans the product of
+    a's size and every axis inside it; the flattened FSDP axis spans dp_shard's extent, and so does
+    the expert-FSDP axis (the outer factor of dp_shard x cp once ep is taken out).
+    """
+    if axis == "ep":  # ep neighbouring ranks of the flattened dp_shard x cp axis
+        span = plan.ep * plan.tp
+    else:
+        outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate"}.get(axis, axis)
+        span = math.prod(getattr(plan, a) for a in _MESH[_MESH.index(outer):])
+    if span <= device.gpus_per_node:
+        return "nvlink", device.nvlink_bw
+    return "ib", device.ib_bw
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a plan dtype name ("bfloat16" -> 2)."""
+    return acts.DTYPES[name].itemsize
+
+
+def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
+                  t_block_fwd: float, t_block_rec: float) -> list[Collective]:
+    """Every collective the rank holding `state` issues per step, with the time overlap cannot hide.
+
+    TP/SP and Ulysses collectives sit between matmuls (nothing to hide behind in meshkit), so all
+    their time is exposed; FSDP's all-gather of the next block hides behind the current block's
+    forward and its reduce-scatter behind the next backward; ring attention sends the next K/V
+    block while the current one is computed. Recompute re-issues what it re-runs: the SP
+    all-gathers under selective AC (their outputs are not saved), plus the attention-side
+    reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
+    before the MLP's reduce-scatter).
+    """
+    heads, kv, d = acts._attn_dims(config)
+    h, act = config.hidden_size, dtype_bytes(plan.param_dtype)
+    m, mbs, seq = workload.microbatches, workload.mbs, workload.seq // plan.cp
+    ac, blocks, out = plan.activation_checkpointing, state.blocks, []
+    lat = device.latency_s
+
+    def add(axis: str, kind: str, what: str, calls: int, buffer: float, group: int, hidden_by: float | None) -> None:
+        if calls <= 0 or group <= 1 or buffer <= 0:
+            return
+        link, bw = axis_link(plan, axis, device)
+        c = Collective(axis, kind, what, calls, buffer, group, bw, link)
+        per_call = c.time(lat) / calls
+        exposed = c.time(lat) if hidden_by is None else calls * max(0.0, per_call - hidden_by)
+        out.append(dataclasses.replace(c, exposed=exposed))
+
+    experts = moe.require_supported(config)
+    if plan.tp > 1:
+        t, bsh = plan.tp, mbs * seq * h * act
+        first, last_stage = state.unit_elements["embed"] > 0, state.unit_elements["head"] > 0
+        edges = int(first) + int(last_stage)  # embedding output and LM-head input cross the SP boundary
+        if plan.sequence_parallel and experts is not None:
+            # An MoE block's MLP half routes the rank's own sequence shard: only attention gathers.
+            # Under TP every AC mode but none is full AC for MoE blocks: recompute re-runs attention's pair.
+            rec = int(ac != "none")
+            add("tp", "all_gather", "SP: attention inputs (fwd), RS conjugate (bwd), recompute",
+                m * (blocks * (2 + rec) + edges), bsh, t, None)
+            add("tp", "reduce_scatter", "SP: o outputs (fwd), AG conjugate (bwd), recompute",
+                m * (blocks * (2 + rec) + edges), bsh, t, None)
+        elif plan.sequence_parallel:
+            rec_ag, rec_rs = {"none": (0, 0), "selective": (2, 0), "full": (2, 1)}[ac]
+            add("tp", "all_gather", "SP: attention/MLP inputs (fwd), RS conjugates (bwd), recompute",
+                m * (blocks * (4 + rec_ag) + edges), bsh, t, None)
+            add("tp", "reduce_scatter", "SP: o/down outputs (fwd), AG conjugates (bwd), recompute",
+                m * (blocks * (4 + rec_rs) + edges), bsh, t, None)
+        if plan.sequence_parallel:
+            # replicated norm weights see a sequence shard: their gradients are reduced once per call
+            add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
+                h * 4, t, None)
+        else:
+            # Backward all-reduces the input gradient of each colwise linear separately (q, k, v, gate,
+            # up: DTensor reduces each module's Partial gradient); recompute re-runs o's all-reduce.
+            add("tp", "all_reduce", "TP: o/down outputs (fwd), q/k/v/gate/up input grads (bwd), recompute",
+                m * (blocks * (7 + (ac != "none")) + edges), bsh, t, None)
+        if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
+            add("tp", "all_reduce", "MoE router/expert gradient shards (each rank routed its own tokens)",
+                workload.calls(plan) * state.tp_summed_tensors, state.tp_summed_elements * 4 / state.tp_summed_tensors,
+                t, None)
+        if last_stage:
+            if plan.loss_parallel:
+                add("tp", "all_reduce", "vocab-parallel loss: max, sum-exp, target logit", 3 * m, mbs * seq * 4, t, None)
+            else:
+                add("tp", "all_gather", "logits to the full vocabulary", m, mbs * seq * config.vocab_size * act, t, None)
+
+    fsdp, rep = plan.dp_shard * plan.cp, plan.dp_replicate
+    if fsdp > 1 or rep > 1:
+        syncs = workload.calls(plan)  # once per forward_backward call (PP keeps units gathered across its microbatches)
+        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        units = state.unit_elements
+        t_bwd = 2 * t_block_fwd + t_block_rec
+        red = dtype_bytes(plan.reduce_dtype)
+        tied_root = units["embed"] and getattr(config, "tie_word_embeddings", False)
+        if tied_root:  # a tied weight lives in FSDP's root unit with the final norm; FSDP2 never reshards the root
+            units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
+        # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
+        # nothing to hide behind; the head unit is the last and is never resharded after forward.
+        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, reshard),
+                      ("head", int(bool(units["head"])), t_block_fwd, False)]
+        for name, count, hide, regather in plan_units:
+            if not count or fsdp == 1:
+                continue
+            add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters (fwd)", syncs * count, units[name] * act,
+                fsdp, hide)
+            if regather:
+                add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters again (bwd)", syncs * count,
+                    units[name] * act, fsdp, t_bwd / 2)
+            add("dp_shard_cp", "reduce_scatter", f"FSDP: {name} gradients ({plan.reduce_dtype})", syncs * count,
+                units[name] * red, fsdp, t_bwd / 2 if name == "block" else None)
+        if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
+            count = blocks + sum(1 for k in ("embed", "head") if units[k])
+            total = units["block"] * blocks + units["embed"] + units["head"]
+            add("dp_replicate", "all_reduce", "HSDP: gradient shards", syncs * count, total * red / fsdp / count,
+                rep, t_bwd)
+        if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
+            shards, unit = fsdp // plan.ep, units["expert"]
+            add("ep_fsdp", "all_gather", "FSDP: expert parameters (fwd)", syncs * blocks, unit * act, shards,
+                t_block_fwd)
+            if reshard:
+                add("ep_fsdp", "all_gather", "FSDP: expert parameters again (bwd)", syncs * blocks, unit * act,
+                    shards, t_bwd / 2)
+            add("ep_fsdp", "reduce_scatter", f"FSDP: expert gradients ({plan.reduce_dtype})", syncs * blocks,
+                unit * red, shards, t_bwd / 2)
+            add("dp_replicate", "all_reduce", "HSDP: expert gradient shards", syncs * blocks, unit * red / shards,
+                rep, t_bwd)
+
+    if plan.cp > 1:
+        kind = getattr(plan, "cp_attention", "zigzag")
+        uly = getattr(plan, "ulysses_degree", plan.cp if kind == "ulysses" else 1)
+        ring = plan.cp // uly
+        q_loc, kv_loc = mbs * seq * (heads // plan.tp) * d, mbs * seq * (kv // plan.tp) * d
+        rec = int(ac != "none")  # recompute re-runs the attention Function and its exchanges
+        if uly > 1:
+            kv_rep = uly // math.gcd(kv // plan.tp, uly) if (kv // plan.tp) % uly else 1
+            packed = (q_loc + 2 * kv_loc * kv_rep) * act
+            add("cp", "all_to_all", f"Ulysses over {uly}: q/k/v in, output back (fwd, bwd, recompute)",
+                m * blocks * (2 + 2 + 2 * rec), (packed + q_loc * act) / 2, uly, None)
+            kv_loc *= kv_rep  # after Ulysses a ring rank holds uly x the tokens of kv*kv_rep/uly heads
+        if ring > 1:
+            # attention work per ring step: causal, so half the square the FLOP convention counts
+            step = 2 * mbs * seq * seq * uly * (heads // plan.tp) * d / (device.peak_flops * workload.mfu)
+            add("cp", "p2p", "ring: K/V blocks (fwd, recompute, bwd)", m * blocks * (ring - 1) * (2 + rec),
+                2 * kv_loc * act, ring, step)
+            add("cp", "p2p", "ring: dK/dV in fp32 (bwd)", m * blocks * ring, 2 * kv_loc * 4, ring, step)
+
+    if experts is not None:
+        opts = moe.layer_options(config)
+        tokens = mbs * seq // (plan.tp if plan.sequence_parallel else 1)  # each TP rank routes its shard
+        if plan.ep > 1:
+            add("ep", "all_to_all", "MoE: tokens per expert (fwd, int64)", m * blocks, experts.num_experts * 8,
+                plan.ep, None)
+            # dispatch and combine, forward and backward, and again in recompute (routing is replayed, not
+            # re-planned). Under uniform routing every rank sends and receives T*K rows each way.
+            add("ep", "all_to_all", "MoE: token rows to experts and back (fwd, bwd, recompute)",
+                m * blocks * (4 + 2 * int(ac != "none")), tokens * experts.top_k * h * act, plan.ep, None)
+        if opts["aux_loss_coef"] or opts["z_loss_coef"] or opts["keep_router_stats"]:
+            add("dp_cp_tp", "all_reduce", "MoE: router load counts for the balancing loss", m * blocks,
+                (experts.num_experts + 1) * 4, plan.dp * plan.cp * plan.tp, None)
+
+    if plan.pp > 1:
+        # Messages the busiest rank sends: each of its stages sends its output forward (but the last
+        # stage) and its input gradient backward (but the first stage), once per microbatch.
+        v = plan.pp_virtual_stages
+        stages = plan.pp * v
+        sends = max(sum((s < stages - 1) + (s > 0) for s in range(r, stages, plan.pp)) for r in range(plan.pp))
+        boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
+        add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m, boundary, 2, 0.0)
+        if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them
+            c = out[-1]
+            out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
+    return out
