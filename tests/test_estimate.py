@@ -201,7 +201,7 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     with CommCounter(pm.mesh) as counter:
         pm.forward_backward(ids, ids)
     experts = {}
-    if plan.ep > 1 or pm.mesh["tp"].size() < pm.mesh.size():
+    if plan.ep > 1:  # with ep = 1 the expert-FSDP group is the FSDP group itself
         from meshkit.mesh import expert_axes
 
         ep_mesh, outer = expert_axes(pm.mesh, plan.ep)  # the groups parallelize made (the mesh caches them)
