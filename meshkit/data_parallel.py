@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from meshkit._compat import fsdp_sum_gradients
 
@@ -25,6 +26,29 @@ def needs_fsdp(dp_shard_cp: int, dp_replicate: int, param_dtype: str) -> bool:
     return dp_shard_cp * dp_replicate > 1 or param_dtype != "float32"
 
 
+def expert_shard_dim(local_shape: tuple[int, ...], shards: int) -> int:
+    """The dim FSDP splits a rank's expert weights [E/ep, rows, cols] on, over `shards` ranks.
+
+    Dim 0 (whole experts per rank) when it divides evenly. Otherwise torch.chunk would leave ranks
+    empty and give others whole experts (E/ep = 1 over 8 ranks: one rank holds everything), so the
+    first later dim that divides evenly is split instead, as FSDP2 requires of dims past 0. Only when
+    none does are experts chunked unevenly on dim 0.
+    """
+    if local_shape[0] % shards == 0:
+        return 0
+    return next((d for d in range(1, len(local_shape)) if local_shape[d] % shards == 0), 0)
+
+
+def expert_placement(shards: int):
+    """FSDP2 `shard_placement_fn` for an experts unit (see `expert_shard_dim`)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_shard_dim(tuple(local.shape), shards))
+
+    return placement
+
+
 def apply_fsdp(
     units: list[nn.Module | list[nn.Module]],
     root: nn.Module,
@@ -33,11 +57,12 @@ def apply_fsdp(
     param_dtype: str,
     reduce_dtype: str,
     reshard_after_forward: bool,
+    shard_placement_fn=None,
 ) -> list[nn.Module]:
     """`fully_shard` each unit then the root over `mesh` (1D FSDP or 2D HSDP); return the FSDP modules.
 
     The last unit is never resharded after forward: backward needs it first, so resharding would
-    only add an all-gather.
+    only add an all-gather. `shard_placement_fn` picks a parameter's shard dim (FSDP2's default is 0).
     """
     # FSDP2 warns on every forward that a unit returned a view (TP's to_local makes one), because an
     # in-place op on it would skip the pre-backward hook. meshkit's stages never modify unit outputs
@@ -47,9 +72,11 @@ def apply_fsdp(
     wrapped = []
     for i, unit in enumerate(units):
         last = i == len(units) - 1
-        module = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
+        module = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
+                             shard_placement_fn=shard_placement_fn)
         wrapped.append(module)
-    wrapped.append(fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+    wrapped.append(fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                               shard_placement_fn=shard_placement_fn))
     for module in wrapped:
         # A list unit shares one FSDP state among its modules; setting it on the first sets it for all.
         fsdp_sum_gradients(module[0] if isinstance(module, list) else module)

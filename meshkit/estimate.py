@@ -195,12 +195,27 @@ def _chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def local_numel(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int, fsdp_rank: int) -> int:
-    """Elements of one parameter on one rank: TP's chunk, then FSDP's chunk of dim 0 of that."""
+def _split_shape(spec: ParamSpec, tp: int, tp_rank: int) -> list[int]:
     shape = list(spec.shape)
     if spec.tp_dim is not None:
         shape[spec.tp_dim] = _chunk(shape[spec.tp_dim], tp, tp_rank)
-    shape[0] = _chunk(shape[0], fsdp, fsdp_rank)
+    return shape
+
+
+def fsdp_dim(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int) -> int:
+    """The dim FSDP shards: 0, except for experts whose count does not divide the FSDP ranks."""
+    if spec.unit != "expert":
+        return 0
+    from meshkit.data_parallel import expert_shard_dim
+
+    return expert_shard_dim(tuple(_split_shape(spec, tp, tp_rank)), fsdp)
+
+
+def local_numel(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int, fsdp_rank: int) -> int:
+    """Elements of one parameter on one rank: TP's (or ep's) chunk, then FSDP's chunk of that."""
+    shape = _split_shape(spec, tp, tp_rank)
+    dim = fsdp_dim(spec, tp, tp_rank, fsdp)
+    shape[dim] = _chunk(shape[dim], fsdp, fsdp_rank)
     return math.prod(shape)
 
 
@@ -254,8 +269,9 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
         zero["ZeRO-2"] += 2.0 * held + 14.0 * held / shards
         zero["ZeRO-3"] += 16.0 * held / shards
-        rows = _chunk(spec.shape[0], split, split_rank) if spec.tp_dim == 0 else spec.shape[0]
-        per_row = local_numel(spec, split, split_rank, 1, 0) // max(rows, 1)
+        shape = _split_shape(spec, split, split_rank)
+        rows = shape[fsdp_dim(spec, split, split_rank, shards)]
+        per_row = math.prod(shape) // max(rows, 1)
         units[spec.unit] += -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
                       units, blocks, zero, summed_tensors, summed_elements)

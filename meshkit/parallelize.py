@@ -87,7 +87,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         for moe in held_moes:
             # Experts get their own unit: sharded over the data ranks that ep leaves.
             data_parallel.apply_fsdp([], moe.experts, expert_fsdp, param_dtype=plan.param_dtype,
-                                     reduce_dtype=plan.reduce_dtype, reshard_after_forward=reshard)
+                                     reduce_dtype=plan.reduce_dtype, reshard_after_forward=reshard,
+                                     shard_placement_fn=data_parallel.expert_placement(expert_fsdp.shape[-1]))
         for stage in stages.values():
             # A tied weight lives in both the embedding and the head; it can belong to one unit only, so
             # with tying both stay in the root unit.

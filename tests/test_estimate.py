@@ -311,17 +311,24 @@ MOE_PLANS = {
     "moe_ep_fsdp": "dp_shard=4,ep=2",
     "moe_tp_ep_full": "tp=2,dp_shard=2,ep=2,activation_checkpointing=full",
     "moe_hsdp_ep_bf16": "dp_replicate=2,dp_shard=2,ep=2,param_dtype=bfloat16,activation_checkpointing=selective",
+    "moe_one_expert_per_ep_rank": "dp_shard=4,ep=2",
+}
+# One expert per ep rank over two FSDP ranks: whole experts cannot be split evenly, so FSDP shards
+# each expert's rows instead (dim 1), and every rank holds the same share.
+MOE_MODELS = {key: MOE_MODEL for key in MOE_PLANS} | {
+    "moe_one_expert_per_ep_rank": MOE_MODEL | dict(num_local_experts=2),
 }
 
 
 @pytest.fixture(scope="module")
 def moe_runs(dist) -> dict[str, list[dict]]:
-    return {key: dist(4).run(_measure_on_rank, plan, MOE_MODEL, MESH_BATCH, MESH_SEQ) for key, plan in MOE_PLANS.items()}
+    return {key: dist(4).run(_measure_on_rank, plan, MOE_MODELS[key], MESH_BATCH, MESH_SEQ)
+            for key, plan in MOE_PLANS.items()}
 
 
 @pytest.mark.parametrize("key", sorted(MOE_PLANS))
 def test_moe_model_state_exact_on_mesh(moe_runs, key: str) -> None:
-    config, plan = _config(MOE_MODEL), Plan.from_string(MOE_PLANS[key]).resolve(4)
+    config, plan = _config(MOE_MODELS[key]), Plan.from_string(MOE_PLANS[key]).resolve(4)
     for rank, r in enumerate(moe_runs[key]):
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
         assert (state.param_bytes, state.grad_bytes, state.optimizer_bytes) == (
@@ -331,7 +338,7 @@ def test_moe_model_state_exact_on_mesh(moe_runs, key: str) -> None:
 @pytest.mark.parametrize("key", sorted(MOE_PLANS))
 def test_moe_activations_on_mesh(moe_runs, key: str) -> None:
     """Uniform routing is exact on average over the ranks; each rank within 10% of it as well."""
-    config, plan = _config(MOE_MODEL), Plan.from_string(MOE_PLANS[key]).resolve(4)
+    config, plan = _config(MOE_MODELS[key]), Plan.from_string(MOE_PLANS[key]).resolve(4)
     estimated = est.estimate(config, plan, 4, _mesh_workload(plan)).memory.activations
     measured = [r["activations"] for r in moe_runs[key]]
     assert abs(estimated - sum(measured) / 4) / (sum(measured) / 4) < 0.10, (key, estimated, measured)
@@ -341,7 +348,7 @@ def test_moe_activations_on_mesh(moe_runs, key: str) -> None:
 def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
     """tp, FSDP, expert-FSDP and HSDP bytes exact on every rank; the expert-parallel all-to-alls exact
     in total over the ranks (each rank sends T*K rows; what it receives depends on the routing)."""
-    config, plan = _config(MOE_MODEL), Plan.from_string(MOE_PLANS[key]).resolve(4)
+    config, plan = _config(MOE_MODELS[key]), Plan.from_string(MOE_PLANS[key]).resolve(4)
     total_a2a = 0.0
     for rank, r in enumerate(moe_runs[key]):
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])

@@ -35,12 +35,16 @@ def _compare_on_rank(plan: str, model: ModelSpec, batch: BatchSpec, meta_init: b
         ("dp_shard=2,tp=2,ep=2,activation_checkpointing=selective", 4),
         ("dp_shard=4,ep=2,activation_checkpointing=full", 4),
         ("dp_shard=4,ep=2,activation_checkpointing=selective", 4),  # crashed in backward before MoE took full AC
+        ("dp_shard=4,ep=2/2 experts", 4),  # FSDP splits each expert's rows (Shard(1)): fewer experts than ranks
+        ("dp_replicate=2,dp_shard=2/3 experts", 4),  # HSDP, 3 experts over 2 FSDP ranks: Shard(1)
     ],
 )
 def test_expert_parallel_plans_match_single_device(dist, plan, world):
+    plan, _, experts = plan.partition("/")
     degrees = meshkit.Plan.from_string(plan)
     batch = BatchSpec(batch=2 * degrees.dp_shard * degrees.dp_replicate, seq=8, ignore=0.2)
-    model = dataclasses.replace(MOE, shared_expert=8 if "tp" in plan else 0)
+    model = dataclasses.replace(MOE, shared_expert=8 if "tp" in plan else 0,
+                                experts=int(experts.split()[0]) if experts else MOE.experts)
     results = dist(world).run(_compare_on_rank, plan, model, batch)
     assert_matches_reference(results, plan)
 
@@ -54,7 +58,7 @@ def ep_cases(draw):
     dp_shard = world // (cp * tp)
     if (dp_shard * cp) % ep:
         ep = 2
-    experts = ep * draw(st.sampled_from([1, 2]))
+    experts = ep * draw(st.sampled_from([1, 2, 3]))  # 3: FSDP splits expert rows when E/ep is odd
     model = dataclasses.replace(MOE, experts=experts, top_k=draw(st.sampled_from([1, 2])),
                                 shared_expert=draw(st.sampled_from([0, 8])), seed=draw(st.integers(0, 99)))
     plan = f"dp_shard={dp_shard},cp={cp},tp={tp},ep={ep}"
@@ -75,17 +79,30 @@ def test_meta_device_moe_model(dist):
     assert_matches_reference(results, "meta init with ep")
 
 
-def _experts_held() -> tuple[int, int]:
-    pm = meshkit.parallelize(MOE.build(), meshkit.Plan(dp_shard=4, ep=4))
+def _experts_held(plan: str, model: ModelSpec) -> list[tuple[int, ...]]:
+    pm = meshkit.parallelize(model.build(), meshkit.Plan.from_string(plan))
     experts = pm.model.model.layers[0].mlp.experts
-    local = experts.gate_up_proj.to_local()
-    return experts.gate_up_proj.shape[0], local.shape[0]
+    return [tuple(p.to_local().shape) for p in (experts.gate_up_proj, experts.down_proj)]
 
 
-def test_each_rank_holds_its_share_of_experts(dist):
-    # 4 experts over ep=4 and FSDP over the dp_shard_cp/ep = 1 remaining rank: one expert each.
-    for full, local in dist(4).run(_experts_held):
-        assert (full, local) == (4, 1)
+@pytest.mark.parametrize(
+    "plan, experts, held",
+    [
+        # 4 experts over ep=4, FSDP over the dp_shard_cp/ep = 1 remaining rank: one whole expert each.
+        ("dp_shard=4,ep=4", 4, [(1, 32, 32), (1, 32, 16)]),
+        # 2 experts per FSDP pair: one whole expert each.
+        ("dp_shard=4,ep=2", 4, [(1, 32, 32), (1, 32, 16)]),
+        # One expert per ep rank over 2 FSDP ranks, and 2 experts over 4 FSDP ranks: whole experts
+        # would leave ranks empty, so each expert's rows are split (FSDP Shard(1)).
+        ("dp_shard=4,ep=2", 2, [(1, 16, 32), (1, 16, 16)]),
+        ("dp_shard=4", 2, [(2, 8, 32), (2, 8, 16)]),
+        ("dp_replicate=2,dp_shard=2,ep=2", 2, [(1, 32, 32), (1, 32, 16)]),
+        ("dp_replicate=2,dp_shard=2", 3, [(3, 16, 32), (3, 16, 16)]),
+    ],
+)
+def test_each_rank_holds_an_equal_share_of_experts(dist, plan, experts, held):
+    model = dataclasses.replace(MOE, experts=experts)
+    assert dist(4).run(_experts_held, plan, model) == [held] * 4
 
 
 def _bad(plan: str, model: ModelSpec) -> None:

@@ -91,6 +91,8 @@ IMPORT_CASES = [
     pytest.param(ModelSpec(kind="qwen3"), "tp=2,dp_shard=2", "20KB", id="qwen3-sharded-tp2dp2"),
     pytest.param(ModelSpec(kind="mixtral", experts=4), "dp_shard=4,ep=2", "20KB", id="mixtral-sharded-dp4ep2"),
     pytest.param(ModelSpec(kind="qwen3_moe", experts=4), "dp_shard=2,tp=2,ep=2", None, id="qwen3moe-dp2tp2ep2"),
+    # One expert per ep rank over two FSDP ranks: each rank reads half of one expert's rows.
+    pytest.param(ModelSpec(kind="mixtral", experts=2), "dp_shard=4,ep=2", "20KB", id="mixtral-expert-rows-dp4ep2"),
 ]
 
 
@@ -119,8 +121,12 @@ def test_load_hf_checkpoint(dist, tmp_path, spec, plan, shard_size):
             experts = {(int(m[1]), int(m[2])) for m in map(EXPERT_KEY.match, r["reads"]) if m}
             per_rank_experts.append(experts)
             # Each rank holds num_experts / (ep x its FSDP share) experts per layer and reads only those.
-            held_per_layer = spec.experts // 4 if plan.startswith("dp_shard=4") else spec.experts // 2
+            sharing = 4 if plan.startswith("dp_shard=4") else 2
+            held_per_layer = max(1, spec.experts // sharing)
             assert len(experts) == spec.layers * held_per_layer, sorted(experts)
+            if spec.experts < sharing:
+                # Half an expert's rows: the gate or the up matrix (w1 / w3), and half of down (w2).
+                assert sum(bool(EXPERT_KEY.match(k)) for k in r["reads"]) == 2 * spec.layers, r["reads"]
         assert set().union(*per_rank_experts) == {(i, e) for i in range(spec.layers) for e in range(spec.experts)}
 
 
@@ -143,6 +149,7 @@ def _export_on_rank(spec: ModelSpec, plan: str, directory: str):
         pytest.param(ModelSpec(), "pp=2,dp_shard=2", id="llama-pp2dp2"),
         pytest.param(ModelSpec(tied=True), "tp=2,dp_shard=2", id="llama-tied-tp2dp2"),
         pytest.param(ModelSpec(kind="mixtral", experts=4), "dp_shard=4,ep=2", id="mixtral-dp4ep2"),
+        pytest.param(ModelSpec(kind="qwen3_moe", experts=3), "dp_shard=4", id="qwen3moe-expert-rows-dp4"),
     ],
 )
 def test_save_hf_checkpoint_round_trips_through_from_pretrained(dist, tmp_path, spec, plan):
