@@ -37,6 +37,7 @@ from meshkit import estimate_moe as moe
 from meshkit import metrics
 from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.estimate_comm import Collective, communication, dtype_bytes
+from meshkit.models.moe import moe_spec
 from meshkit.plan import Plan
 
 GiB = 1024**3
@@ -451,7 +452,10 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
 def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
     """(counted, formula): training FLOPs of one block on one sequence, counted by FlopCounterMode on a
     fake block of the real shape (eager attention: the counter has no formula for the CPU flash
-    kernel), and metrics' convention for one block minus its norm weights, which feed no matmul."""
+    kernel), and metrics' convention for one block minus its norm weights, which feed no matmul.
+
+    For an MoE block both sides leave the MoE layer out: its FLOPs depend on the routing, which fake
+    tensors cannot follow (tests count it with real tensors at small shapes)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -468,7 +472,10 @@ def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
     finally:
         acts._pin_attention(block)
     heads, _, d = acts._attn_dims(config)
-    formula = 6.0 * (metrics.block_params(config) - 2 * config.hidden_size) * seq + 12.0 * heads * d * seq * seq
+    params = metrics.block_params(config) - 2 * config.hidden_size
+    if moe_spec(config) is not None:  # _build made the MLP an Identity
+        params -= 3 * config.hidden_size * config.intermediate_size
+    formula = 6.0 * params * seq + 12.0 * heads * d * seq * seq
     return float(counter.get_total_flops()), formula
 
 

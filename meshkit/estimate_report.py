@@ -12,6 +12,7 @@ from meshkit import estimate_activations as acts
 from meshkit import estimate_moe as moe
 from meshkit import metrics
 from meshkit.estimate import DEVICES, MODEL_PRESETS, Device, Estimate, GiB, Workload
+from meshkit.models.moe import moe_spec
 from meshkit.plan import Plan
 
 
@@ -80,8 +81,9 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"  per step: {world_flops / 1e15:.1f} PFLOP model, {world_flops / p.world_size / 1e12:.1f} TFLOP per rank")
     if check_flops:
         counted, formula = est.flop_counter_check(c, w.seq)
-        L.append(f"  FlopCounterMode, one fake block at seq {w.seq}: {counted / 1e12:.3f} TFLOP vs formula "
-                 f"{formula / 1e12:.3f} (ratio {counted / formula:.4f})")
+        part = " (attention part; the MoE layer routes by data)" if moe_spec(c) is not None else ""
+        L.append(f"  FlopCounterMode, one fake block{part} at seq {w.seq}: {counted / 1e12:.3f} TFLOP vs "
+                 f"formula {formula / 1e12:.3f} (ratio {counted / formula:.4f})")
     L.append(f"\ncommunication per step, per rank (link: nvlink {e.device.nvlink_bw / 1e9:.0f} GB/s, "
              f"ib {e.device.ib_bw / 1e9:.0f} GB/s per GPU)")
     L.append(f"  {'axis':<13}{'collective':<15}{'calls':>7}{'buffer/call':>13}{'wire/rank':>12}{'link':>7}"

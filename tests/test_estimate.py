@@ -397,6 +397,11 @@ def test_flop_formula_matches_flop_counter(name: str) -> None:
     assert counted == formula
 
 
+def test_flop_check_leaves_the_moe_layer_out_on_both_sides() -> None:
+    counted, formula = est.flop_counter_check(_config(MOE_MODEL), 37)
+    assert counted == formula
+
+
 def test_flop_counter_at_llama3_8b_shape() -> None:
     counted, formula = est.flop_counter_check(est.load_config("llama3-8b"), 2048)
     assert counted == formula
