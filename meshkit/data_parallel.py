@@ -81,3 +81,12 @@ def apply_fsdp(
         # A list unit shares one FSDP state among its modules; setting it on the first sets it for all.
         fsdp_sum_gradients(module[0] if isinstance(module, list) else module)
     return wrapped
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """Free every FSDP unit under `module` that is still gathered (after a forward without backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()

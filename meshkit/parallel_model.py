@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshkit import loss as loss_lib
 from meshkit.consensus import raise_if_any
 from meshkit.context_parallel import sharding as cp_sharding
-from meshkit.data_parallel import DTYPES
+from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.mesh import axis
@@ -30,7 +30,7 @@ from meshkit.models import llama
 from meshkit.models import moe as moe_models
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
-from meshkit.pipeline.schedules import build_schedule
+from meshkit.pipeline.schedules import build_schedule, forward_only
 from meshkit.plan import Plan
 from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params, reduce_plain_grads
 
@@ -61,6 +61,7 @@ class ParallelModel:
         self._pp = axis(mesh, "pp")
         self._schedule = (build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
                           if plan.pp > 1 else None)
+        self._eval_schedule = forward_only(self._schedule) if self._schedule is not None else None
         self.check_inputs = True
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
@@ -139,7 +140,7 @@ class ParallelModel:
         aux = None
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
-                share = self._pipeline_step(batch, denominator)
+                share = self._pipeline_step(self._schedule, batch, denominator)
             else:
                 (stage,) = self.model_parts
                 logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
@@ -167,19 +168,28 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The global-batch loss without touching gradients (eval mode is the caller's choice)."""
-        if self._schedule is not None:
-            raise ValueError("evaluate: forward-only pipeline schedules are not implemented yet (pp > 1); "
-                             "fix: evaluate with a pp=1 plan, or use forward_backward and discard gradients")
+        """The global-batch loss without touching gradients (eval mode is the caller's choice).
+
+        Under pp > 1 the training schedule's forwards run alone, in its order, over the same
+        `pp_microbatches`. FSDP units are resharded afterwards: a unit left gathered (the last one is
+        never resharded after forward) would otherwise serve stale weights to the next forward if
+        the optimizer stepped in between.
+        """
         batch = self._prepare(input_ids, labels, position_ids)
-        (stage,) = self.model_parts
+        denominator = float(max(batch.valid_tokens, 1))
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
-            share = loss_lib.summed_cross_entropy(logits, batch.targets) / float(max(batch.valid_tokens, 1))
+            if self._eval_schedule is not None:
+                share = self._pipeline_step(self._eval_schedule, batch, denominator)
+            else:
+                (stage,) = self.model_parts
+                logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
+                share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+        for part in self.model_parts:
+            reshard_fsdp(part)
         return self._global_loss(share)
 
-    def _pipeline_step(self, batch: LocalBatch, denominator: float) -> torch.Tensor:
-        """Run this rank's part of the schedule over `pp_microbatches` slices of the batch's rows."""
+    def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float) -> torch.Tensor:
+        """Run this rank's part of `schedule` over `pp_microbatches` slices of the batch's rows."""
         m = self.plan.microbatches
         rows_total, seq = batch.input_ids.shape
         rows = [slice(i * rows_total // m, (i + 1) * rows_total // m) for i in range(m)]
@@ -195,7 +205,7 @@ class ParallelModel:
         shapes = TensorMeta((rows_total // m, seq // sp, self.model.config.hidden_size), dtype)
         kwargs = [{"position_ids": per_row(batch.position_ids, r), "doc_ids": per_row(batch.doc_ids, r)}
                   for r in rows]
-        losses = run_schedule(self._schedule, self._stages, pp_group=self._pp.get_group(),
+        losses = run_schedule(schedule, self._stages, pp_group=self._pp.get_group(),
                               microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
                               shapes=shapes, stage_kwargs=kwargs, device=self.device)
         if not losses:

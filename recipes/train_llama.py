@@ -63,6 +63,8 @@ class TrainConfig:
     save_dir: str = "checkpoints"  # checkpoints go to <save_dir>/step-NNNNNNNN
     resume: str = ""  # resume from the newest finished checkpoint under this directory (any plan)
     export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
+    eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
+    eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)
 
 
 @dataclass
@@ -222,6 +224,26 @@ class MarkovTokens:
         mine = tokens[self.dp_rank * self.batch:(self.dp_rank + 1) * self.batch]
         return mine, mine.clone()  # labels are unshifted (HF convention); meshkit shifts once
 
+    def held_out(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index`: the same chain, from seeds no training step uses."""
+        return self.batch_at(HELD_OUT_STEP, index)
+
+
+HELD_OUT_STEP = -1  # training steps count from 1
+
+
+def evaluate(pm: meshkit.ParallelModel, data: MarkovTokens, batches: int) -> float:
+    """Loss over the held-out batches, weighted by their tokens (the single-device loss of them all)."""
+    pm.eval()
+    total = count = 0.0
+    for index in range(batches):
+        input_ids, labels = data.held_out(index)
+        tokens = pm.count_valid_tokens(labels)
+        total += float(pm.evaluate(input_ids, labels)) * tokens
+        count += tokens
+    pm.train()
+    return total / max(count, 1)
+
 
 def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup from lr/warmup to lr, then cosine decay to lr * min_lr_ratio at the last step."""
@@ -323,6 +345,9 @@ def train(run: RunConfig) -> dict[str, float]:
     for name in ("steps", "seq_len", "local_batch", "grad_accum", "log_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 1")
+    for name in ("eval_every", "eval_batches"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 0 (eval_every=0 turns evaluation off)")
     _set_threads(cfg)
     torch.manual_seed(cfg.seed)
     model_config, ckpt_dir, load_weights = build_model_config(run.model)
@@ -378,6 +403,7 @@ def train(run: RunConfig) -> dict[str, float]:
         prof.start()
     losses: list[float] = []
     times: list[float] = []
+    eval_losses: dict[int, float] = {}
     metrics.reset_peak_memory()
     for step in range(first_step, cfg.steps + 1):
         # Made before the clock starts: a real loader prefetches, and the step time should be the model's.
@@ -412,6 +438,10 @@ def train(run: RunConfig) -> dict[str, float]:
             f"{'max_alloc' if mem_label.startswith('cuda') else 'peak_rss'}_gib": mem / 2**30,
         }
         logger.log(step, values)
+        if cfg.eval_every and cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
+            eval_losses[step] = evaluate(pm, data, cfg.eval_batches)  # after the clock: not in step_s
+            values["eval_loss"] = eval_losses[step]
+            logger.log(step, {"loss": eval_losses[step]}, prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
         if rank == 0 and (step % cfg.log_every == 0 or step in (1, cfg.steps)):
@@ -428,16 +458,19 @@ def train(run: RunConfig) -> dict[str, float]:
         return {}
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
-               "total_s": sum(times)}
+               "total_s": sum(times), "eval_losses": eval_losses}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
         memory = f"peak memory {mem / 2**30:.3g} GiB ({mem_label})"
-        if predicted:
+        held_out = f" | held-out loss {eval_losses[max(eval_losses)]:.4f}" if eval_losses else ""
+        if predicted and mem_label.startswith("cuda"):
             memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
+        elif predicted:  # RSS also holds the interpreter and libraries: no ratio to tensor bytes
+            memory += f"; the estimator predicts {predicted / 2**30:.3g} GiB of tensors"
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, floor ln({run.data.branching}) = "
-              f"{math.log(run.data.branching):.4f}) | median step {summary['median_step_s']:.3f}s | {memory} | "
+              f"{math.log(run.data.branching):.4f}){held_out} | median step {summary['median_step_s']:.3f}s | {memory} | "
               f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
     return summary
 

@@ -22,6 +22,7 @@ from meshkit.pipeline.schedules import (
     ScheduleError,
     build_schedule,
     compute_only,
+    forward_only,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -157,6 +158,29 @@ def test_schedule_text_round_trips(shape, v):
 def test_malformed_schedule_text_is_refused(text):
     with pytest.raises(ScheduleError):
         parse_schedule(text)
+
+
+@_examples(40)
+@given(shapes(), st.integers(1, 4), exact_costs())
+def test_forward_only_keeps_each_ranks_forward_order_and_fills_the_pipe_once(shape, v, tf):
+    """Evaluation runs the forwards of the training schedule: one fill, (m·v + p - 1) chunk forwards."""
+    p, m = shape
+    for schedule in all_schedules(p, m, v):
+        evaluation = forward_only(schedule)
+        check(evaluation)
+        for train_actions, eval_actions in zip(schedule.ranks, evaluation.ranks):
+            assert eval_actions == tuple(a for a in train_actions if a.kind in (
+                ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F))
+        chunks = schedule.num_stages // p
+        assert simulate(evaluation, Costs(tf, 1, 1)).step_time == (m * chunks + p - 1) * tf
+
+
+def test_forward_only_schedules_refuse_backward_actions_and_report_missing_sends():
+    with pytest.raises(ScheduleError, match="BW0.0 in a forward-only schedule"):
+        Schedule(((parse_action("F0.0"), parse_action("BW0.0")),), 1, 1, forward_only=True)
+    broken = parse_schedule("rank 0: F0.0\nrank 1: RECV_F1.0 F1.0", 2, 1)
+    with pytest.raises(ScheduleError, match="SEND_F0.0 is missing on rank 0"):
+        check(Schedule(broken.ranks, 2, 1, "broken", forward_only=True))
 
 
 # ------------------------------------------------------------------------------------ bubble formulas

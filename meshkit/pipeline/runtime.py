@@ -61,6 +61,9 @@ def run_schedule(
 ) -> list[torch.Tensor]:
     """Run this rank's actions of `schedule`; return the detached per-microbatch losses (last stage only).
 
+    A `forward_only` schedule (`schedules.forward_only`) evaluates: run it under `torch.no_grad()`;
+    nothing is kept for backward and FSDP's gradient hooks are left alone.
+
     `stages` maps each global stage index this rank computes to its module, called as
     `module(inputs, **stage_kwargs[microbatch])`. The first stage's inputs are
     `microbatch_inputs[microbatch]`; later stages get the previous stage's output, received as a
@@ -74,7 +77,8 @@ def run_schedule(
     run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device)
     actions = schedule.ranks[rank]
     splits = any(a.kind is K.W for a in actions)
-    with _fsdp_reduce_once(list(stages.values())), (
+    fsdp = contextlib.nullcontext() if schedule.forward_only else _fsdp_reduce_once(list(stages.values()))
+    with fsdp, (
         deferrable_linears(stages.values()) if splits else contextlib.nullcontext()
     ):
         position = 0
@@ -99,6 +103,7 @@ class _RankRun:
 
     def __init__(self, schedule, rank, stages, group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device):
         self.owner = schedule.stage_to_rank()
+        self.keep = not schedule.forward_only  # what backward needs; evaluation drops each tensor once used
         self.last = schedule.num_stages - 1
         self.m = schedule.num_microbatches
         self.rank, self.stages = rank, stages
@@ -129,16 +134,19 @@ class _RankRun:
             x = self.inputs[mb]
         else:
             if self.owner[s - 1] == self.rank:  # same tensor the wire would carry, without the wire
-                x = wire_tensor(self.outputs[(s - 1, mb)])
+                x = wire_tensor(self.outputs[(s - 1, mb)] if self.keep else self.outputs.pop((s - 1, mb)))
             else:
                 x = self.p2p.take((K.RECV_F, s, mb))
-            x.requires_grad_(x.is_floating_point())
-            self.stage_inputs[(s, mb)] = x
+            if self.keep:
+                x.requires_grad_(x.is_floating_point())
+                self.stage_inputs[(s, mb)] = x
         kwargs = self.stage_kwargs[mb] if self.stage_kwargs is not None else {}
         out = self.stages[s](x, **kwargs)
         if s == self.last:
             out = self.loss_fn(out, mb)
             self.losses[mb] = out.detach()
+            if not self.keep:
+                return
         self.outputs[(s, mb)] = out
 
     def _backward(self, s: int, mb: int, weights_now: bool, deferred: bool) -> None:
@@ -165,7 +173,8 @@ class _RankRun:
     def _transfer(self, action: Action) -> tuple[object, Transfer]:
         s, mb = action.stage, action.microbatch
         if action.kind is K.SEND_F:
-            tensor = self._checked(wire_tensor(self.outputs[(s, mb)]), s, mb, "output")
+            out = self.outputs[(s, mb)] if self.keep else self.outputs.pop((s, mb))
+            tensor = self._checked(wire_tensor(out), s, mb, "output")
             return action, Transfer(True, self.owner[s + 1], _tag(s, mb, self.m, False), tensor)
         if action.kind is K.SEND_B:
             tensor = self._checked(wire_tensor(self.input_grads.pop((s, mb))), s - 1, mb, "input gradient")

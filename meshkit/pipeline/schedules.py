@@ -42,6 +42,7 @@ class ActionKind(Enum):
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW})
+_FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
 _KIND_BY_TEXT = {kind.value: kind for kind in ActionKind}
 # ASCII digits only (`\d` would accept other scripts' digits) and no leading zeros, so that every
 # accepted string is the canonical form of exactly one action.
@@ -99,6 +100,7 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     name: str = "custom"
+    forward_only: bool = False  # evaluation: forwards and their transfers only, no backward expected
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
@@ -112,6 +114,9 @@ class Schedule:
             for position, action in enumerate(actions):
                 if not isinstance(action, Action):
                     raise ScheduleError(f"rank {rank} position {position}: {action!r} is not an Action")
+                if self.forward_only and action.kind not in _FORWARD_KINDS:
+                    raise ScheduleError(f"rank {rank} position {position}: {action} in a forward-only schedule; "
+                                        f"it may hold only F, SEND_F and RECV_F")
                 if action.stage >= self.num_stages or action.microbatch >= self.num_microbatches:
                     raise ScheduleError(
                         f"rank {rank} position {position}: {action} is outside num_stages="
@@ -176,7 +181,18 @@ def parse_schedule(
 def compute_only(schedule: Schedule) -> Schedule:
     """The same schedule without its sends and receives: the order of the work itself."""
     ranks = tuple(tuple(a for a in actions if a.is_compute) for actions in schedule.ranks)
-    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, schedule.name)
+    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, schedule.name, schedule.forward_only)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of a training schedule and their transfers, in the same order: evaluation.
+
+    Forwards depend only on forwards, so the subsequence of a deadlock-free schedule is deadlock-free
+    (`check` replays it anyway), and each rank's forward order (interleaved chunks included) is the
+    one the training schedule already proved.
+    """
+    ranks = tuple(tuple(a for a in actions if a.kind in _FORWARD_KINDS) for actions in schedule.ranks)
+    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, f"{schedule.name}/forward", True)
 
 
 def with_communication(schedule: Schedule) -> Schedule:
@@ -210,7 +226,8 @@ def with_communication(schedule: Schedule) -> Schedule:
             else:
                 out.append(action)
         ranks.append(tuple(out))
-    return Schedule(tuple(ranks), schedule.num_stages, schedule.num_microbatches, schedule.name)
+    return Schedule(tuple(ranks), schedule.num_stages, schedule.num_microbatches, schedule.name,
+                    schedule.forward_only)
 
 
 # ---------------------------------------------------------------------------------------- generators
@@ -362,6 +379,7 @@ __all__: Sequence[str] = (
     "ScheduleError",
     "build_schedule",
     "compute_only",
+    "forward_only",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",

@@ -250,6 +250,13 @@ def _structure_problems(schedule: Schedule) -> list[str]:
     for s in range(schedule.num_stages):
         for mb in range(schedule.num_microbatches):
             missing(F, s, mb, f"stage {s} must run forward on microbatch {mb}")
+            cross = s < last and owner[s + 1] != owner[s]
+            src, dst = owner[s], owner[s + 1] if s < last else None
+            if cross:
+                missing(SEND_F, s, mb, f"stage {s + 1} on rank {dst} needs microbatch {mb}'s activations")
+                missing(RECV_F, s + 1, mb, f"stage {s + 1} needs microbatch {mb}'s activations from rank {src}")
+            if schedule.forward_only:
+                continue
             full, split_b, split_w = (Action(k, s, mb) in seen for k in (BW, B, W))
             if full and (split_b or split_w):
                 problems.append(f"BW{s}.{mb} and B/W{s}.{mb} both present: a backward is either BW or a B/W pair")
@@ -257,10 +264,7 @@ def _structure_problems(schedule: Schedule) -> list[str]:
                 problems.append(f"no backward for stage {s} microbatch {mb}: add BW{s}.{mb} or B{s}.{mb} + W{s}.{mb}")
             elif split_b != split_w:
                 problems.append(f"{'B' if split_b else 'W'}{s}.{mb} has no {'W' if split_b else 'B'}{s}.{mb}")
-            if s < last and owner[s + 1] != owner[s]:
-                src, dst = owner[s], owner[s + 1]
-                missing(SEND_F, s, mb, f"stage {s + 1} on rank {dst} needs microbatch {mb}'s activations")
-                missing(RECV_F, s + 1, mb, f"stage {s + 1} needs microbatch {mb}'s activations from rank {src}")
+            if cross:
                 missing(SEND_B, s + 1, mb, f"stage {s} on rank {src} needs microbatch {mb}'s gradient")
                 missing(RECV_B, s, mb, f"stage {s} needs microbatch {mb}'s gradient from rank {dst}")
     if problems and not has_p2p and schedule.num_ranks > 1:
