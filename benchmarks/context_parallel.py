@@ -411,7 +411,8 @@ def memory_section(res: dict, cp: int, shape: dict, seqs: Sequence[int]) -> list
         "(S/ring degree). The all-gather baseline holds full K/V, and SDPA turns its [S/cp, S] boolean mask "
         "into an additive float mask that it also saves, which dominates at long S. Peak RSS includes "
         "transients, so it scales less cleanly than the saved bytes: the ring forward holds its fp32 output "
-        "accumulator, the block's output and the merge's temporaries (each the size of the local output) "
+        "accumulator and the block's output (each the size of the local output; the merge is an in-place lerp_ "
+        "and adds no temporary of that size) "
         "plus two K/V blocks, and the backward holds the fp32 dQ accumulator and dK/dV buffers in flight.",
         "",
     ]

@@ -105,10 +105,11 @@ def merge_(
 
     Stable form: O <- O - sigmoid(L_i - L) * (O - O_i), L <- L - logsigmoid(L - L_i). Guards: when
     both are -inf the block adds nothing (not NaN); when only L is -inf the block is taken as is.
+    The output update is one in-place `lerp_` with a per-row weight: no temporary of O's size.
     """
     d = block_lse_BHS - lse_BHS
     d = torch.where(torch.isnan(d), -math.inf, d)  # -inf - -inf: nothing on either side
-    out_BHSD.sub_(torch.sigmoid(d).unsqueeze(-1) * (out_BHSD - block_out_BHSD.to(out_BHSD.dtype)))
+    out_BHSD.lerp_(block_out_BHSD.to(out_BHSD.dtype), torch.sigmoid(d).unsqueeze(-1))
     merged = lse_BHS - torch.nn.functional.logsigmoid(-d)
     lse_BHS.copy_(torch.where(lse_BHS == -math.inf, block_lse_BHS.to(lse_BHS.dtype), merged))
 
