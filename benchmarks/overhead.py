@@ -8,7 +8,7 @@ same inputs, the two steps interleaved so machine noise hits both alike; the rat
 times is the overhead (goal <= 1.05).
 
 (b) A tp=2 x dp_shard=2 plan on 4 processes, one training step (count tokens, forward/backward,
-clip, AdamW) counted by `meshkit.metrics.CommCounter`, which sees every collective: FSDP2's c10d
+clip, AdamW) counted by `meshkit.comm_counter.CommCounter`, which sees every collective: FSDP2's c10d
 calls and DTensor's functional collectives alike. The theory column is the minimum that plan needs
 (derivation in `theory`); a ratio above 1 is traffic meshkit could avoid.
 """
@@ -184,7 +184,7 @@ def _bytes_worker(rank: int, world: int, port: int, out_path: str, spec: dict[st
     from transformers import LlamaForCausalLM
 
     import meshkit
-    from meshkit.metrics import CommCounter
+    from meshkit.comm_counter import CommCounter
 
     config = llama_config(**spec["model"])
     plan = meshkit.Plan.from_string(spec["plan"])

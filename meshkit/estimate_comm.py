@@ -1,6 +1,6 @@
 """Communication of one training step under a plan: every collective, its link and what overlap hides.
 
-Counted in `metrics.CommCounter`'s unit (a collective's full logical buffer per call) so tests can
+Counted in `comm_counter.CommCounter`'s unit (a collective's full logical buffer per call) so tests can
 compare the two byte for byte on a CPU mesh; `Collective.wire` converts to what a rank sends under
 ring algorithms. docs/estimate.md derives each entry.
 """
@@ -24,7 +24,7 @@ class Collective:
     """One kind of collective on one axis, per step, on one rank.
 
     `buffer` is the collective's full logical buffer per call (all-gather output, reduce-scatter
-    input, all-reduce tensor, all-to-all input, P2P message), the unit `metrics.CommCounter`
+    input, all-reduce tensor, all-to-all input, P2P message), the unit `comm_counter.CommCounter`
     counts; `wire` is what one rank sends under ring algorithms.
     """
 

@@ -7,7 +7,7 @@ Ground truths are independent of the estimator's machinery:
   computed (a dispatch mode records storages, weak references tell which survive), parameters
   excluded, under each AC mode, on one process and on the TP/SP mesh;
 - FLOPs: torch's FlopCounterMode on a fake block of the real shape;
-- communication: `metrics.CommCounter`'s count of the same training step.
+- communication: `comm_counter.CommCounter`'s count of the same training step.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     """One rank: model state after a step, live activations at the loss, bytes of a counted step."""
     import meshkit
     from meshkit import loss as loss_lib
+    from meshkit.comm_counter import CommCounter
     from meshkit.mesh import axis
-    from meshkit.metrics import CommCounter
 
     config = _config(model_kw)
     plan = Plan.from_string(plan_text)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from meshkit import metrics
+from meshkit import comm_counter, metrics
 from meshkit.activation_checkpoint import apply_activation_checkpointing
 
 CONFIGS = {
@@ -192,7 +192,7 @@ def one_rank_group():
 
 
 def test_comm_counter_counts_c10d_collectives(one_rank_group) -> None:
-    counter = metrics.CommCounter()
+    counter = comm_counter.CommCounter()
     x = torch.ones(10)
     out = torch.empty(10)
     with counter:
@@ -221,7 +221,7 @@ def _count_dtensor_and_fsdp_collectives() -> dict[str, list[int]]:
     x = distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])
     logits = distribute_tensor(torch.randn(5, 16), mesh, [Shard(1)]).requires_grad_()
     linear = fully_shard(torch.nn.Linear(4, 6, bias=False), mesh=mesh)
-    counter = metrics.CommCounter(mesh)
+    counter = comm_counter.CommCounter(mesh)
     with counter:
         x.redistribute(mesh, [Replicate()])  # all-gather: 8*6*4 B
         DTensor.from_local(torch.randn(8, 6), mesh, [Partial()]).redistribute(mesh, [Shard(0)])  # reduce-scatter
