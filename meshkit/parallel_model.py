@@ -25,6 +25,7 @@ from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.grad_norm import clip_grad_norm_, total_grad_norm
+from meshkit.grad_sync import summed_per_call
 from meshkit.mesh import axis
 from meshkit.models import llama
 from meshkit.models import moe as moe_models
@@ -32,7 +33,7 @@ from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import build_schedule, forward_only
 from meshkit.plan import Plan
-from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params, reduce_plain_grads
+from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
 
 MESHKIT_ONLY_BUFFERS = (".expert_bias", ".load_counts_E")
 
@@ -69,6 +70,7 @@ class ParallelModel:
         self._vocab = model.config.vocab_size
         self._reduce_tp_grads = reduce_tp_grads
         self._tp_summed_params = tp_summed_params or []
+        self._tp_group = axis(mesh, "tp").get_group() if self._tp_summed_params else None
         # HF MoE models add their load-balancing loss only when the config asks (output_router_logits).
         self._hf_aux = bool(getattr(model.config, "output_router_logits", False)) and moe_models.is_moe_model(model)
 
@@ -138,7 +140,8 @@ class ParallelModel:
         batch = self._prepare(input_ids, labels, position_ids)
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
         aux = None
-        with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
+        with summed_per_call(self._tp_summed_params, self._tp_group), \
+                loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
                 share = self._pipeline_step(self._schedule, batch, denominator)
             else:
@@ -153,10 +156,8 @@ class ParallelModel:
                     # the window's tokens it stays the token-weighted mean under accumulation.
                     aux = aux * (batch.valid_tokens / denominator)
                     torch.autograd.backward([share, aux])
-        if self._reduce_tp_grads:
-            place_grads_like_params(dtensor_params(self.model_parts))
-        if self._tp_summed_params:
-            reduce_plain_grads(self._tp_summed_params, axis(self.mesh, "tp").get_group())
+            if self._reduce_tp_grads:
+                place_grads_like_params(dtensor_params(self.model_parts))
         loss = self._global_loss(share)
         if self._schedule is None and aux is not None:
             # Each rank's aux is its share of the global one, summed over every token-splitting rank.

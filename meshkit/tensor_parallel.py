@@ -118,17 +118,3 @@ def place_grads_like_params(params: list[nn.Parameter]) -> None:
         grad = param.grad
         if grad is not None and tuple(grad.placements) != tuple(param.placements):
             param.grad = grad.redistribute(placements=param.placements)
-
-
-def reduce_plain_grads(params: list[nn.Parameter], tp_group) -> None:
-    """Sum over tp the gradients of weights TP leaves whole but feeds different tokens (MoE layers).
-
-    Under sequence parallelism each TP rank routes its own tokens through the same router, shared
-    expert and experts, so each rank's gradient is a partial sum.
-    """
-    import torch.distributed as dist
-
-    for param in params:
-        if param.grad is not None:
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            dist.all_reduce(grad, group=tp_group)

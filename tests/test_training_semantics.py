@@ -3,11 +3,14 @@ precision and torch.compile, each against the single-device model."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 import meshkit
 from meshkit.testing.reference import BatchSpec, ModelSpec
+
+DENSE = ModelSpec()
 
 
 def _full_grads(pm) -> dict[str, torch.Tensor]:
@@ -15,9 +18,8 @@ def _full_grads(pm) -> dict[str, torch.Tensor]:
             for n, p in pm.named_parameters()}
 
 
-def _accumulate(plan: str, with_denominator: bool) -> tuple[float, float]:
+def _accumulate(plan: str, with_denominator: bool, spec: ModelSpec = DENSE) -> tuple[float, float]:
     """Three calls before one step; compare with one single-device backward over the whole window."""
-    spec = ModelSpec()
     ref = spec.build()
     pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
     batches = [BatchSpec(batch=4, seq=8, ignore=0.4, seed=s).make(spec.vocab) for s in range(3)]
@@ -43,6 +45,22 @@ def _accumulate(plan: str, with_denominator: bool) -> tuple[float, float]:
 def test_gradient_accumulation_with_window_denominator(dist):
     for err, loss_err in dist(4).run(_accumulate, "tp=2,dp_shard=2", True):
         assert err < 2e-6 and loss_err < 1e-5
+
+
+@pytest.mark.parametrize(
+    "plan, spec",
+    [
+        ("tp=2", ModelSpec()),  # TP without FSDP: meshkit places the gradients itself
+        ("tp=2,dp_shard=2,ep=2", ModelSpec(experts=4, intermediate=16)),  # MoE grads summed over tp per call
+        ("tp=2", ModelSpec(experts=4, intermediate=16)),
+    ],
+)
+def test_gradient_accumulation_where_meshkit_reduces_gradients_itself(dist, plan, spec):
+    """Reductions meshkit issues after backward must add each call's contribution once, not re-reduce
+    what earlier calls of the window already accumulated."""
+    world = meshkit.Plan.from_string(plan).world_size
+    for err, loss_err in dist(world).run(_accumulate, plan, True, spec):
+        assert err < 2e-6 and loss_err < 1e-5, (err, loss_err)
 
 
 def test_gradient_accumulation_per_call_means(dist):
