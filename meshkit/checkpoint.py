@@ -155,7 +155,7 @@ def _global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def _model_problems(pm: ParallelModel, entries: dict[str, Any]) -> list[str]:
-    expected = _global_shapes(pm.model)
+    expected = {n: s for n, s in _global_shapes(pm.model).items() if n not in pm.tied_aliases}
     saved = {k[len(MODEL):]: v for k, v in entries.items() if k.startswith(MODEL)}
     # meshkit's balancing buffers may be absent from a checkpoint of a model trained without them.
     missing = sorted(n for n in set(expected) - set(saved) if not n.endswith(MESHKIT_ONLY_BUFFERS))

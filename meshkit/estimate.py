@@ -233,6 +233,7 @@ class ModelState:
     zero: dict[str, float]  # Playbook bytes per rank: DDP and ZeRO-1/2/3, 2+2+12 bytes per parameter
     tp_summed_tensors: int = 0   # MoE weights whose gradient shards are all-reduced over tp (when tp > 1)
     tp_summed_elements: int = 0  # their elements on this rank
+    tied_copy_elements: int = 0  # pp > 1, tied embedding, first or last stage: this rank's copy's shard
 
     @property
     def persistent(self) -> int:
@@ -249,7 +250,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     blocks = sum(stage_blocks(config, plan)[pp_rank])
     count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == 0 or (tied and pp_rank == plan.pp - 1)),
                 "head": int(pp_rank == plan.pp - 1)}
-    numel = tensors = summed_tensors = summed_elements = 0
+    numel = tensors = summed_tensors = summed_elements = tied_copy = 0
     units = {"embed": 0, "block": 0, "head": 0, "expert": 0}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
@@ -265,6 +266,8 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         tensors += count
         if spec.tp_summed and plan.tp > 1:
             summed_tensors, summed_elements = summed_tensors + count, summed_elements + local
+        if spec.unit == "embed" and tied and plan.pp > 1:  # the head's copy on the last stage
+            tied_copy = local
         held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
         zero["DDP"] += 16.0 * held
         zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
@@ -275,7 +278,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         per_row = math.prod(shape) // max(rows, 1)
         units[spec.unit] += -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
-                      units, blocks, zero, summed_tensors, summed_elements)
+                      units, blocks, zero, summed_tensors, summed_elements, tied_copy)
 
 
 # ---------------------------------------------------------------------------------- the estimate

@@ -148,7 +148,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         units = state.unit_elements
         t_bwd = 2 * t_block_fwd + t_block_rec
         red = dtype_bytes(plan.reduce_dtype)
-        tied_root = units["embed"] and getattr(config, "tie_word_embeddings", False)
+        tied_root = units["embed"] and getattr(config, "tie_word_embeddings", False) and plan.pp == 1
         if tied_root:  # a tied weight lives in FSDP's root unit with the final norm; FSDP2 never reshards the root
             units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
         # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
@@ -226,4 +226,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them
             c = out[-1]
             out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
+        if state.tied_copy_elements:  # first and last stage sum their tied-embedding copies' gradients
+            add("pp", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
+                workload.calls(plan), state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
     return out

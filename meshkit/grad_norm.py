@@ -64,9 +64,14 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_gr
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_groups=()) -> torch.Tensor:
-    """Scale gradients in place so the global norm is at most `max_norm`; return the norm before clipping."""
-    norm = total_grad_norm(params, norm_type, extra_groups)
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_groups=(),
+                    counted: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Scale gradients in place so the global norm is at most `max_norm`; return the norm before clipping.
+
+    `counted` (default `params`) are the parameters whose gradients make up the norm: a copy of a
+    weight held elsewhere too is scaled with the others but counted once.
+    """
+    norm = total_grad_norm(params if counted is None else counted, norm_type, extra_groups)
     coef = float(max_norm) / (float(norm) + 1e-6)
     if coef < 1.0:
         for p in params:

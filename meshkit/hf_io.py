@@ -170,12 +170,16 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: bool) -> dict[str, Any]:
-    """Source of every model tensor; raises (identically on every rank) on anything that does not fit."""
+def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: bool,
+                  aliases: dict[str, str]) -> dict[str, Any]:
+    """Source of every model tensor; raises (identically on every rank) on anything that does not fit.
+
+    `aliases` (a tied head's pipeline copy -> the embedding) read the embedding's tensor for the copy.
+    """
     tensors = _model_tensors(model)
     sources, missing, wrong = {}, [], []
     for name, tensor in tensors.items():
-        source = _source(name, tuple(tensor.shape), shapes)
+        source = _source(aliases.get(name, name), tuple(tensor.shape), shapes)
         if source is None:
             if not name.endswith(MESHKIT_ONLY_BUFFERS):  # meshkit's balancing state: not in HF files
                 missing.append(name)
@@ -188,7 +192,7 @@ def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: 
         sources[name] = source
     used = {k for s in sources.values() for k in s.keys()}
     # A tied weight's second name (lm_head.weight) may be in the file; the embedding is authoritative.
-    tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(tensors)
+    tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(tensors) | set(aliases)
     unexpected = sorted(set(shapes) - used - tied)
     problems = []
     if missing:
@@ -228,7 +232,7 @@ def load_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, strict: bool
     for path in files:
         for key, shape in _read_header(path).items():
             shapes[key], where[key] = shape, path
-    sources = _plan_sources(pm.model, shapes, strict)
+    sources = _plan_sources(pm.model, shapes, strict, pm.tied_aliases)
 
     pm.materialise()
     held = {id(t) for part in pm.model_parts for t in [*part.parameters(), *part.buffers()]}

@@ -145,3 +145,17 @@ def expert_fsdp_mesh(mesh: DeviceMesh, outer: DeviceMesh) -> DeviceMesh:
     from meshkit._compat import concatenate_meshes
 
     return concatenate_meshes([submesh(mesh, "dp_replicate"), outer])
+
+
+def first_last_stage_group(mesh: DeviceMesh):
+    """The group of this rank's first- and last-stage peers (equal coordinates on every other axis),
+    where the two copies of a tied embedding meet; None on the middle stages.
+
+    Collective: every rank of the mesh must call it (pp = 2 reuses the pp group).
+    """
+    if mesh["pp"].size() == 2:
+        return mesh["pp"].get_group()
+    grid = mesh.mesh
+    pairs = torch.stack([grid[0].flatten(), grid[-1].flatten()], dim=1).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group

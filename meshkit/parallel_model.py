@@ -52,7 +52,8 @@ class ParallelModel:
     """A model sharded by a Plan: `forward_backward`, `clip_grad_norm_`, state dicts, weight init."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, stages: dict[int, nn.Module],
-                 device: torch.device, reduce_tp_grads: bool = False, tp_summed_params: list | None = None):
+                 device: torch.device, reduce_tp_grads: bool = False, tp_summed_params: list | None = None,
+                 tied_copy: Mapping[str, str] | None = None, tied_group: dist.ProcessGroup | None = None):
         self.model = model
         self.plan = plan
         self.mesh = mesh
@@ -71,8 +72,22 @@ class ParallelModel:
         self._reduce_tp_grads = reduce_tp_grads
         self._tp_summed_params = tp_summed_params or []
         self._tp_group = axis(mesh, "tp").get_group() if self._tp_summed_params else None
+        # A tied embedding under pipelining: the head's copy answers to the embedding's name, the two
+        # copies' gradients are summed, and the norm counts the weight once (the embedding's copy).
+        self._aliases = dict(tied_copy or {})
+        held = {id(p) for p in self.parameters()}
+        named = dict(model.named_parameters())
+        tied_names = [*self._aliases, *self._aliases.values()]
+        self._tied_params = [named[n] for n in tied_names if id(named[n]) in held]
+        self._tied_group = tied_group
+        self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
         # HF MoE models add their load-balancing loss only when the config asks (output_router_logits).
         self._hf_aux = bool(getattr(model.config, "output_router_logits", False)) and moe_models.is_moe_model(model)
+
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        """{head name: embedding name} when pipelining split a tied embedding into two copies, else {}."""
+        return dict(self._aliases)
 
     # ---------------------------------------------------------------- data
     @property
@@ -95,11 +110,11 @@ class ParallelModel:
                     yield p
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their HF names."""
+        """This rank's parameters under their HF names (a tied head's pipeline copy under the embedding's)."""
         mine = {id(p) for p in self.parameters()}
         for name, p in self.model.named_parameters():
             if id(p) in mine:
-                yield name, p
+                yield self._aliases.get(name, name), p
 
     def train(self, mode: bool = True) -> ParallelModel:
         """Switch every part to training (or eval) mode."""
@@ -141,6 +156,7 @@ class ParallelModel:
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
         aux = None
         with summed_per_call(self._tp_summed_params, self._tp_group), \
+                summed_per_call(self._tied_params, self._tied_group), \
                 loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
                 share = self._pipeline_step(self._schedule, batch, denominator)
@@ -311,11 +327,15 @@ class ParallelModel:
     # ------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
-        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups())
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups(),
+                               counted=self._norm_params())
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""
-        return total_grad_norm(list(self.parameters()), norm_type, self._norm_groups())
+        return total_grad_norm(self._norm_params(), norm_type, self._norm_groups())
+
+    def _norm_params(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if id(p) not in self._not_in_norm]
 
     def _norm_groups(self) -> list:
         """Pipeline ranks hold disjoint parameters: their partial norms add up over pp."""
@@ -349,13 +369,15 @@ class ParallelModel:
         every.update(dict(self.model.named_buffers()))
         expected = set(every) - non_persistent_buffer_names(self.model)
         # meshkit's router-bias buffers are not in HF checkpoints: missing ones keep their zeros.
-        missing = sorted(k for k in expected - set(state_dict) if not k.endswith(MESHKIT_ONLY_BUFFERS))
+        missing = sorted(k for k in expected - set(state_dict)
+                         if not k.endswith(MESHKIT_ONLY_BUFFERS) and self._aliases.get(k) not in state_dict)
         unexpected = sorted(set(state_dict) - expected)
         if strict and (missing or unexpected):
             raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
         for name, target in every.items():
-            if name in state_dict and not target.is_meta:
-                _copy_full_into(target, state_dict[name])
+            source = name if name in state_dict else self._aliases.get(name)
+            if source in state_dict and not target.is_meta:
+                _copy_full_into(target, state_dict[source])
 
     def save_checkpoint(self, path, optimizer, **kwargs) -> None:
         """Save model, optimizer, scheduler, step and RNG with torch.distributed.checkpoint under HF names;

@@ -55,6 +55,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     cp_hf.install(model)
     parts = llama.parts(model)
     ranges, stage_ids = _pipeline_layout(plan, mesh, len(parts.blocks))
+    tied_copy, tied_group = {}, None
+    if plan.pp > 1 and parts.tied:  # embedding and head on different ranks: each holds a copy
+        tied_copy = llama.untie_for_pipeline(model, keep_copy=len(ranges) - 1 in stage_ids)
+        tied_group = mesh_lib.first_last_stage_group(mesh)
+        parts = llama.parts(model)
     for module in pipeline_stage.modules_not_held(parts, ranges, stage_ids):
         module.to("meta")  # another pipeline rank's layers: keep the names, free the memory
     if not _on_meta(model) and device.type != "cpu":
@@ -104,7 +109,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
             )
     tp_summed = [p for m in held_moes for p in m.parameters()] if plan.tp > 1 else []
     return ParallelModel(model, plan, mesh, stages, device, reduce_tp_grads=plan.tp > 1 and not use_fsdp,
-                         tp_summed_params=tp_summed)
+                         tp_summed_params=tp_summed, tied_copy=tied_copy, tied_group=tied_group)
 
 
 def _check_moe(plan: Plan, moes: list, config) -> None:

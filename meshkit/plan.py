@@ -380,12 +380,6 @@ def _check_model(plan: Plan, config: Any) -> list[str]:
                 f"{stages - 2} decoder layers (embedding and head count as one each); the model has "
                 f"{config.num_hidden_layers}; fix: fewer stages"
             )
-        if getattr(config, "tie_word_embeddings", False):
-            problems.append(
-                f"pp={plan.pp}: the model ties its embedding and LM head, which pipelining puts on different ranks; "
-                f"fix: untie them before parallelize (model.config.tie_word_embeddings = False; "
-                f"model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone()))"
-            )
     from meshkit.models.moe import moe_spec
 
     spec = moe_spec(config)

@@ -23,6 +23,7 @@ TOL = 1e-5
 SAVED_STEPS = 2
 DENSE = ModelSpec()
 MOE = ModelSpec(experts=4, bias_update_rate=0.01)  # DeepSeek-V3 balancing: expert_bias buffers travel too
+TIED = ModelSpec(tied=True)  # under pp the head holds a copy saved under the embedding's name
 MOE_2 = ModelSpec(experts=2)  # under dp_shard=4,ep=2 FSDP splits each expert's rows (Shard(1))
 BATCH = BatchSpec(batch=4, seq=8)
 
@@ -108,8 +109,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize(
     ("plan", "spec"),
-    [("tp=2,dp_shard=2", DENSE), ("pp=2,dp_shard=2", DENSE), ("dp_shard=4,ep=2", MOE)],
-    ids=["tp2dp2", "pp2dp2", "moe-dp4ep2"],
+    [("tp=2,dp_shard=2", DENSE), ("pp=2,dp_shard=2", DENSE), ("dp_shard=4,ep=2", MOE), ("pp=2,tp=2", TIED)],
+    ids=["tp2dp2", "pp2dp2", "moe-dp4ep2", "tied-pp2tp2"],
 )
 def test_resume_same_plan_is_bit_identical(dist, saved, plan, spec):
     path, before = saved(plan, 4, spec)
@@ -132,9 +133,11 @@ def test_resume_same_plan_is_bit_identical(dist, saved, plan, spec):
         ("pp=2,dp_shard=2", 4, "tp=2,dp_replicate=2", 4, DENSE),
         ("dp_shard=4,ep=2", 4, "dp_shard=2,tp=2,ep=2", 4, MOE),
         ("dp_shard=4,ep=2", 4, "dp_shard=2,ep=2", 2, MOE_2),
+        ("pp=2,dp_shard=2", 4, "dp_shard=2", 2, TIED),
+        ("tp=2,dp_shard=2", 4, "pp=2,dp_shard=2", 4, TIED),
     ],
     ids=["tp2dp2-to-pp2cp2", "tp2dp2-to-dp2-on-2-ranks", "pp2dp2-to-tp2hsdp2", "moe-dp4ep2-to-dp2tp2ep2",
-         "moe-expert-rows-to-whole-experts"],
+         "moe-expert-rows-to-whole-experts", "tied-pp2dp2-to-dp2", "tied-tp2dp2-to-pp2dp2"],
 )
 def test_resume_under_another_plan(dist, saved, saved_plan, saved_world, resumed_plan, resumed_world, spec):
     path, before = saved(saved_plan, saved_world, spec)

@@ -43,7 +43,7 @@ def full_plans(draw):
             f"pp_virtual_stages={v},pp_microbatches={m if pp > 1 else 1},cp_attention={kind},"
             f"activation_checkpointing={ac}")
     model = ModelSpec(layers=max(2, pp * v), heads=4, kv_heads=2, head_dim=8, intermediate=16, vocab=64,
-                      tied=draw(st.booleans()) and pp == 1, experts=4 if moe else 0, top_k=2,
+                      tied=draw(st.booleans()), experts=4 if moe else 0, top_k=2,
                       seed=draw(st.integers(0, 99)))
     multiple = meshkit.Plan.from_string(plan).seq_multiple()
     batch = BatchSpec(batch=dp_shard * m, seq=max(8, multiple), ignore=0.3, seed=draw(st.integers(0, 99)),

@@ -249,6 +249,8 @@ MESH_PLANS["cp_zigzag_selective"] = "cp=2,dp_shard=2,cp_attention=zigzag,activat
 MESH_PLANS["cp_ulysses_full"] = "cp=2,dp_shard=2,cp_attention=ulysses,activation_checkpointing=full"
 MESH_PLANS["pp_interleaved_fsdp"] = "pp=2,dp_shard=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,pp_microbatches=2"
 MESH_PLANS["pp_tp_selective"] = "pp=2,tp=2,pp_microbatches=2,activation_checkpointing=selective"
+MESH_PLANS["pp_tied_fsdp"] = "pp=2,dp_shard=2,pp_microbatches=2"  # the head holds a copy of the embedding
+MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {"pp_tied_fsdp": MESH_MODEL | dict(tie_word_embeddings=True)}
 MESH_BATCH, MESH_SEQ = 2, 16
 
 
@@ -258,13 +260,13 @@ def _mesh_workload(plan: Plan) -> est.Workload:
 
 @pytest.fixture(scope="module")
 def mesh_runs(dist) -> dict[str, list[dict]]:
-    return {key: dist(4).run(_measure_on_rank, plan, MESH_MODEL, MESH_BATCH, MESH_SEQ)
+    return {key: dist(4).run(_measure_on_rank, plan, MESH_MODELS[key], MESH_BATCH, MESH_SEQ)
             for key, plan in MESH_PLANS.items()}
 
 
-@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp"])
+@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp"])
 def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
-    config, plan = _config(MESH_MODEL), Plan.from_string(MESH_PLANS[key]).resolve(4)
+    config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     for rank, r in enumerate(mesh_runs[key]):
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
         assert (state.param_bytes, state.grad_bytes, state.optimizer_bytes) == (
@@ -275,7 +277,7 @@ def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
 
 @pytest.mark.parametrize("key", sorted(k for k, v in MESH_PLANS.items() if "pp=" not in v))
 def test_activations_on_mesh(mesh_runs, key: str) -> None:
-    config, plan = _config(MESH_MODEL), Plan.from_string(MESH_PLANS[key]).resolve(4)
+    config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     estimated = est.estimate(config, plan, 4, _mesh_workload(plan)).memory.activations
     for rank, r in enumerate(mesh_runs[key]):
         assert abs(estimated - r["activations"]) / r["activations"] < 0.10, (key, rank, estimated, r["activations"])
@@ -286,7 +288,7 @@ def test_communication_matches_comm_counter(mesh_runs, key: str) -> None:
     """Every collective over tp and FSDP, byte for byte: SP all-gathers and reduce-scatters (with
     what recompute re-issues), norm-gradient and vocab-parallel-loss all-reduces, FSDP gathers and
     gradient reduce-scatters. Only the loss/token-count scalars over dp are left out."""
-    config, plan = _config(MESH_MODEL), Plan.from_string(MESH_PLANS[key]).resolve(4)
+    config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     for rank, r in enumerate(mesh_runs[key]):
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"])
         predicted: dict[str, float] = {}

@@ -88,6 +88,7 @@ def _import_on_rank(spec: ModelSpec, plan: str, directory: str):
 IMPORT_CASES = [
     pytest.param(ModelSpec(), "pp=2,dp_shard=2", "20KB", id="llama-sharded-pp2dp2"),
     pytest.param(ModelSpec(tied=True), "tp=2,dp_shard=2", None, id="llama-tied-single-file-tp2dp2"),
+    pytest.param(ModelSpec(tied=True), "pp=2,dp_shard=2", None, id="llama-tied-pp2dp2"),
     pytest.param(ModelSpec(kind="qwen3"), "tp=2,dp_shard=2", "20KB", id="qwen3-sharded-tp2dp2"),
     pytest.param(ModelSpec(kind="mixtral", experts=4), "dp_shard=4,ep=2", "20KB", id="mixtral-sharded-dp4ep2"),
     pytest.param(ModelSpec(kind="qwen3_moe", experts=4), "dp_shard=2,tp=2,ep=2", None, id="qwen3moe-dp2tp2ep2"),
@@ -148,6 +149,7 @@ def _export_on_rank(spec: ModelSpec, plan: str, directory: str):
     [
         pytest.param(ModelSpec(), "pp=2,dp_shard=2", id="llama-pp2dp2"),
         pytest.param(ModelSpec(tied=True), "tp=2,dp_shard=2", id="llama-tied-tp2dp2"),
+        pytest.param(ModelSpec(tied=True), "pp=2,tp=2", id="llama-tied-pp2tp2"),
         pytest.param(ModelSpec(kind="mixtral", experts=4), "dp_shard=4,ep=2", id="mixtral-dp4ep2"),
         pytest.param(ModelSpec(kind="qwen3_moe", experts=3), "dp_shard=4", id="qwen3moe-expert-rows-dp4"),
     ],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tests_support import assert_matches_reference
@@ -92,13 +93,45 @@ def test_pp_and_non_pp_gradients_are_identical(dist):
         assert worst < 1e-6, f"{schedule}: pp=2 and pp=1 gradients differ by {worst}"
 
 
-def _parallelize_tied() -> None:
-    meshkit.parallelize(ModelSpec(tied=True, layers=2).build(), meshkit.Plan(pp=2))
+@pytest.mark.parametrize(
+    "plan, world",
+    [
+        (_plan(2, "1f1b", 1, 2), 2),
+        (_plan(2, "zb_h1", 1, 2, "dp_shard=2"), 4),
+        (_plan(2, "interleaved_1f1b", 2, 2, "tp=2"), 4),
+        (_plan(4, "1f1b", 1, 4), 4),  # first and last stage two ranks apart: a group of their own
+        (_plan(2, "gpipe", 1, 2, "dp_replicate=2,activation_checkpointing=full"), 4),
+    ],
+)
+def test_tied_embeddings_under_pipelining(dist, plan, world):
+    """The embedding (first stage) and the head (last stage) hold copies of one weight: summed
+    gradients, one norm, equal updates: the single-device model's numbers."""
+    degrees = meshkit.Plan.from_string(plan)
+    model = ModelSpec(tied=True, layers=4)
+    batch = BatchSpec(batch=degrees.microbatches * degrees.dp_shard * degrees.dp_replicate, seq=8, ignore=0.2)
+    results = dist(world).run(_compare_on_rank, plan, model, batch)
+    assert_matches_reference(results, f"tied, {plan}")
 
 
-def test_tied_embeddings_under_pipelining_are_refused_with_the_fix(dist):
-    for o in dist(2).run_raw(_parallelize_tied, timeout=30):
-        assert isinstance(o.value, ValueError) and "untie them before parallelize" in o.message, o
+def _tied_copies_equal_after_steps(plan: str) -> float:
+    spec = ModelSpec(tied=True, layers=4)
+    pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for step in range(3):
+        ids, labels = BatchSpec(batch=4, seq=8, seed=step).make(spec.vocab)
+        rows = slice(pm.dp_rank * 4 // pm.dp_size, (pm.dp_rank + 1) * 4 // pm.dp_size)
+        for half in (slice(0, 2), slice(2, 4)):  # two accumulated calls per step
+            pm.forward_backward(ids[rows][half], labels[rows][half], loss_denominator=4 * 7 * 2)
+        pm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    state = pm.full_state_dict()
+    return (state["model.embed_tokens.weight"] - state["lm_head.weight"]).abs().max().item()
+
+
+def test_tied_copies_stay_identical(dist):
+    for diff in dist(4).run(_tied_copies_equal_after_steps, _plan(4, "zb_h1", 1, 2)):
+        assert diff == 0.0
 
 
 def _odd_batch() -> None:

@@ -90,6 +90,23 @@ def parts(model: nn.Module) -> CausalLMParts:
     return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied)
 
 
+def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
+    """Give the LM head its own copy of a tied embedding weight; return {head name: embedding name}.
+
+    Pipelining puts the embedding (first stage) and the head (last stage) on different ranks, so each
+    holds its own copy and `ParallelModel` keeps them equal: the copies' gradients are summed, and the
+    copy goes by the embedding's name in every name-keyed path (init, checkpoints, HF files).
+    `keep_copy=False` (a rank that does not hold the head) makes the copy a meta tensor.
+    """
+    p = parts(model)
+    if not p.tied:
+        return {}
+    weight = p.embed.weight
+    copy = weight.detach().clone() if keep_copy else torch.empty_like(weight, device="meta")
+    model.lm_head.weight = nn.Parameter(copy, requires_grad=weight.requires_grad)
+    return {"lm_head.weight": "model.embed_tokens.weight"}
+
+
 def block_roles(block: nn.Module) -> dict[str, str]:
     """Role of each layer that exists in this block (Qwen3 adds head norms, Llama has none).
 
