@@ -207,9 +207,11 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
         ep_mesh, outer = expert_axes(pm.mesh, plan.ep)  # the groups parallelize made (the mesh caches them)
         experts = {"ep": ep_mesh.get_group(), "ep_fsdp": outer.get_group()}
     comm: dict[str, int] = {}
-    for (kind, label), stat in counter.stats.items():
+    for kind, label, nbytes in counter.events:
+        if nbytes <= 8:  # the loss and token-count scalars, which the estimate leaves out
+            continue
         key = f"{kind}@{_axis_label(label, pm.mesh, experts)}"
-        comm[key] = comm.get(key, 0) + stat.bytes
+        comm[key] = comm.get(key, 0) + nbytes
     measured["comm"] = comm
     measured["tp_rank"] = pm.mesh["tp"].get_local_rank()
     measured["pp_rank"] = pm.mesh["pp"].get_local_rank()
