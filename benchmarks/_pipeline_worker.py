@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshkit.models import llama
-from meshkit.pipeline import stage as pp_stage
+from meshkit.pipeline import split as pp_split
 from meshkit.pipeline.runtime import TensorMeta, run_schedule
 from meshkit.pipeline.schedules import Schedule, build_schedule
 from meshkit.testing.reference import ModelSpec
@@ -129,9 +129,9 @@ def hf_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def hf_stages(model: nn.Module, pp: int, v: int, rank: int) -> dict[int, nn.Module]:
     """This rank's stages of `model` split into pp*v stages by meshkit (embedding and head count as layers)."""
     parts = llama.parts(model)
-    ranges = pp_stage.split_layers(len(parts.blocks), pp * v)
-    ids = pp_stage.stages_of_rank(rank, pp, v)
-    return {s: WithPositions(m) for s, m in pp_stage.build_stages(parts, parts.blocks, ranges, ids).items()}
+    ranges = pp_split.split_layers(len(parts.blocks), pp * v)
+    ids = pp_split.stages_of_rank(rank, pp, v)
+    return {s: WithPositions(m) for s, m in pp_split.build_stages(parts, parts.blocks, ranges, ids).items()}
 
 
 # ------------------------------------------------------------------------------------------- steps
@@ -267,7 +267,7 @@ def sleep_section(spec: dict) -> dict[str, Any]:
 
     def make_modules(v: int) -> dict[int, nn.Module]:
         costs = [c / 1000 / v for c in spec["costs_ms"]]  # a rank's work per microbatch is split over its v stages
-        return {s: SleepStage(dim, costs) for s in pp_stage.stages_of_rank(rank, pp, v)}
+        return {s: SleepStage(dim, costs) for s in pp_split.stages_of_rank(rank, pp, v)}
 
     variants = []
     for name, v in spec["schedules"]:

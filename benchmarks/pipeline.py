@@ -15,7 +15,7 @@ taken from `torch.distributed.pipelining` in `benchmarks/_pipeline_torch.py`) an
 2. the same stages under torch's `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B` and
    `ScheduleInterleavedZeroBubble`: step time and CPU ratio meshkit/torch (or why torch refused),
    and torch's own action order replayed in meshkit's simulator;
-3. a small HF `LlamaForCausalLM` split by `meshkit.pipeline.stage`: step time, tokens/s and CPU of
+3. a small HF `LlamaForCausalLM` split by `meshkit.pipeline.split`: step time, tokens/s and CPU of
    each schedule vs the unsplit model on one process, and vs torch's schedules on the same stage
    modules, with the loss of each as evidence that all computed the same step;
 4. a PNG timeline per schedule from the simulator in the --out folder, and one text timeline.
@@ -494,7 +494,7 @@ def report(args: argparse.Namespace, results: dict[int, list[dict]], plans: dict
     lines += ["## 3. HF LlamaForCausalLM stages (real compute)", "",
               f"{args.layers} layers, hidden {args.hidden}, 4 heads (2 KV), MLP {2 * args.hidden}, vocab 1024, "
               f"microbatch 2 x {args.seq} tokens, {m * 2 * args.seq} tokens per step, fp32; split by "
-              "`meshkit.pipeline.stage.split_layers` (embedding and head count as layers). pp ranks share "
+              "`meshkit.pipeline.split.split_layers` (embedding and head count as layers). pp ranks share "
               f"{os.cpu_count()} cores with whatever else runs, so wall-clock 'speed vs unsplit' measures CPU "
               "contention as much as the schedule; 'CPU vs unsplit' is the cost of splitting.", ""]
     for world in worlds:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from meshkit import estimate as est
-from meshkit import plan_search
+from meshkit.estimate import search as plan_search
 
 SEQ, TOKENS, DEVICE = 4096, 2**20, "h100"
 

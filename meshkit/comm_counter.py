@@ -2,7 +2,7 @@
 
 The unit is a collective's full logical buffer per call (all-gather output, reduce-scatter input,
 all-reduce tensor, all-to-all input, P2P message), so counts compare with the estimator's
-(`meshkit.estimate_comm`) byte for byte. It watches both c10d's ops (FSDP2, P2P, gloo collectives)
+(`meshkit.estimate.comm`) byte for byte. It watches both c10d's ops (FSDP2, P2P, gloo collectives)
 and the functional collectives DTensor issues, through a dispatch mode.
 """
 

@@ -40,6 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshkit.models.llama import attention_dims
+from meshkit.models.moe import moe_spec
+
 # ------------------------------------------------------------------------------------------ FLOPs
 
 
@@ -62,13 +65,6 @@ class FlopsPerToken:
         return self.model + self.recompute
 
 
-def _attn_dims(config: Any) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, head_dim
-
-
 def block_params(config: Any) -> int:
     """Parameters of one decoder block from the config alone (no model needed, so any size works).
 
@@ -77,7 +73,7 @@ def block_params(config: Any) -> int:
     the (meta) model: those parameters feed no matmul, so the FLOP count differs only by them.
     """
     h, inter = config.hidden_size, config.intermediate_size
-    heads, kv_heads, d = _attn_dims(config)
+    heads, kv_heads, d = attention_dims(config)
     attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
     if getattr(config, "attention_bias", False):
         attn += heads * d + 2 * kv_heads * d + h
@@ -100,8 +96,6 @@ def nonembedding_params(config: Any) -> int:
 def active_block_params(config: Any, layer: int = 0) -> int:
     """Parameters of decoder block `layer` that one token's matmuls touch: the whole block when dense;
     for an MoE block the router and top_k of its experts instead of the dense MLP."""
-    from meshkit.models.moe import moe_spec
-
     spec = moe_spec(config)
     if spec is None or layer not in spec.layers:
         return block_params(config)
@@ -128,10 +122,8 @@ def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "
     """
     if activation_checkpointing not in ("none", "selective", "full"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: must be none, selective or full")
-    from meshkit.models.moe import moe_spec
-
     n = nonembedding_params(config) if n_nonembedding is None else n_nonembedding
-    heads, _, d = _attn_dims(config)
+    heads, _, d = attention_dims(config)
     layers = config.num_hidden_layers
     spec = moe_spec(config)
     moe_layers = set(spec.layers) if spec is not None else set()

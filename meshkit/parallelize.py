@@ -24,7 +24,7 @@ from meshkit.expert_parallel import apply_expert_parallel
 from meshkit.models import llama
 from meshkit.models import moe as moe_models
 from meshkit.parallel_model import ParallelModel
-from meshkit.pipeline import stage as pipeline_stage
+from meshkit.pipeline import split as pipeline_split
 from meshkit.plan import Plan, PlanError
 from meshkit.tensor_parallel import apply_tensor_parallel
 
@@ -60,10 +60,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         tied_copy = llama.untie_for_pipeline(model, keep_copy=len(ranges) - 1 in stage_ids)
         tied_group = mesh_lib.first_last_stage_group(mesh)
         parts = llama.parts(model)
-    for module in pipeline_stage.modules_not_held(parts, ranges, stage_ids):
+    for module in pipeline_split.modules_not_held(parts, ranges, stage_ids):
         module.to("meta")  # another pipeline rank's layers: keep the names, free the memory
     if not _on_meta(model) and device.type != "cpu":
-        for module in pipeline_stage.modules_held(parts, ranges, stage_ids):
+        for module in pipeline_split.modules_held(parts, ranges, stage_ids):
             module.to(device)
     if plan.cp > 1:
         split = _context_parallel_attention(plan, mesh)
@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         blocks[i] = block
         if plan.compile:
             block.compile()
-    stages = pipeline_stage.build_stages(parts, blocks, ranges, stage_ids)
+    stages = pipeline_split.build_stages(parts, blocks, ranges, stage_ids)
     use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
     if use_fsdp:
         reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
@@ -158,10 +158,10 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list) -> DeviceMe
 def _pipeline_layout(plan: Plan, mesh: DeviceMesh, num_layers: int) -> tuple[list[range], list[int]]:
     """Every stage's layer range, and the stages this rank holds (all of them without pipelining)."""
     num_stages = plan.pp * plan.pp_virtual_stages
-    ranges = pipeline_stage.split_layers(num_layers, num_stages, plan.pp_split or None)
+    ranges = pipeline_split.split_layers(num_layers, num_stages, plan.pp_split or None)
     if plan.pp == 1:
         return ranges, list(range(num_stages))
-    return ranges, pipeline_stage.stages_of_rank(mesh["pp"].get_local_rank(), plan.pp, plan.pp_virtual_stages)
+    return ranges, pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), plan.pp, plan.pp_virtual_stages)
 
 
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> cp_hf.ContextParallelAttention:

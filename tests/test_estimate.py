@@ -24,7 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
 from meshkit import estimate as est
-from meshkit import estimate_activations as acts
+from meshkit.estimate import activations as acts
+from meshkit.estimate import search as plan_search
+from meshkit.estimate.__main__ import main as estimate_cli
+from meshkit.estimate.spec import AC_MODES, DTYPES
 from meshkit.plan import Plan
 
 SMALL = {
@@ -111,7 +114,7 @@ def _keys(tensors) -> set[int]:
 
 def _estimated_activations(config, *, batch: int, seq: int, tp: int, ac: str, dtype: str) -> int:
     kw = dict(batch=batch, seq=seq, tp=tp, dtype=dtype)
-    blocks = config.num_hidden_layers * sum(acts.block_activations(config, ac=ac, **kw).values())
+    blocks = config.num_hidden_layers * sum(est.block_activations(config, ac=ac, **kw).values())
     return blocks + acts.shared_activations(config, **kw) + sum(acts.head_activations(config, **kw).values())
 
 
@@ -123,11 +126,11 @@ def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -
     from meshkit import loss as loss_lib
     from meshkit.activation_checkpoint import apply_activation_checkpointing
     from meshkit.models import llama
-    from meshkit.stage import CausalLMStage
+    from meshkit.models.stage import CausalLMStage
 
     torch.manual_seed(0)
     model = _model(config).to(dtype)
-    acts._pin_attention(model)
+    acts.pin_attention(model)
     parts = llama.parts(model)
     stage = CausalLMStage(dict(enumerate(apply_activation_checkpointing(parts.blocks, ac))), parts.rotary,
                           embed=parts.embed, norm=parts.norm, lm_head=parts.lm_head)
@@ -145,12 +148,12 @@ def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("name", sorted(SMALL) + ["moe"])
-@pytest.mark.parametrize("ac", acts.AC_MODES)
+@pytest.mark.parametrize("ac", AC_MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_activations_match_saved_tensors(name: str, ac: str, dtype: str) -> None:
     config = _config(MOE_MODEL if name == "moe" else SMALL[name])
     batch, seq = 2, 40
-    measured = _measure_single(config, ac, batch, seq, acts.DTYPES[dtype])
+    measured = _measure_single(config, ac, batch, seq, DTYPES[dtype])
     estimated = _estimated_activations(config, batch=batch, seq=seq, tp=1, ac=ac, dtype=dtype)
     assert abs(estimated - measured) / measured < 0.10, (name, ac, dtype, estimated, measured)
 
@@ -244,7 +247,7 @@ def _axis_label(label: str, mesh, experts: dict) -> str:
 
 # One counted run per plan on the same 4 ranks: TP/SP + FSDP under each AC mode, and TP without SP +
 # HSDP in bf16 mixed precision.
-MESH_PLANS = {ac: f"tp=2,dp_shard=2,activation_checkpointing={ac}" for ac in acts.AC_MODES}
+MESH_PLANS = {ac: f"tp=2,dp_shard=2,activation_checkpointing={ac}" for ac in AC_MODES}
 MESH_PLANS["hsdp_no_sp_bf16"] = ("tp=2,dp_replicate=2,sequence_parallel=false,param_dtype=bfloat16,"
                                  "activation_checkpointing=selective")
 MESH_PLANS["cp_zigzag_selective"] = "cp=2,dp_shard=2,cp_attention=zigzag,activation_checkpointing=selective"
@@ -446,8 +449,8 @@ def test_playbook_zero_formulas() -> None:
 
 
 def test_cli_prints_every_section(capsys) -> None:
-    assert est.main(["--model", "llama3-8b", "--plan", "tp=8,dp_shard=-1", "--world", "64", "--seq", "8192",
-                     "--mbs", "1", "--ac", "selective", "--no-flop-check"]) == 0
+    assert estimate_cli(["--model", "llama3-8b", "--plan", "tp=8,dp_shard=-1", "--world", "64", "--seq", "8192",
+                         "--mbs", "1", "--ac", "selective", "--no-flop-check"]) == 0
     out = capsys.readouterr().out
     for needle in ("parameters", "gradients", "optimizer", "activations held", "peak", "FLOPs", "dp_shard_cp",
                    "tp ", "step time"):
@@ -467,7 +470,6 @@ SEARCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
 def test_plan_search_returns_valid_plans_that_fit(world, seq, memory_mib, batch_seqs) -> None:
     import dataclasses
 
-    from meshkit import plan_search
 
     config = _config(SEARCH_MODEL)
     device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=memory_mib * 2**20)
@@ -488,7 +490,6 @@ def test_plan_search_returns_valid_plans_that_fit(world, seq, memory_mib, batch_
 def test_plan_search_moe_returns_valid_expert_parallel_plans(world, memory_mib) -> None:
     import dataclasses
 
-    from meshkit import plan_search
 
     config = _config(dict(MOE_MODEL, hidden_size=128, intermediate_size=256, num_attention_heads=8,
                           num_key_value_heads=4, head_dim=16, num_local_experts=8, vocab_size=2048))
@@ -506,7 +507,6 @@ def test_plan_search_explains_rejections() -> None:
     """A budget nothing fits: every family is listed with the smallest peak it reached."""
     import dataclasses
 
-    from meshkit import plan_search
 
     device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=2**20)
     result = plan_search.search(_config(SEARCH_MODEL), 8, 1024, 64 * 1024, device)

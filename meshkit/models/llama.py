@@ -53,6 +53,15 @@ class CausalLMParts:
     tied: bool
 
 
+def attention_dims(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a config: KV heads default to the query heads (MHA) and
+    head_dim to hidden/heads, as HF's Llama-family attention reads them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise a ValueError naming what is missing when `model` is not a Llama-family causal LM."""
     config = getattr(model, "config", None)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from meshkit.models import llama
-from meshkit.stage import CausalLMStage
+from meshkit.models.stage import CausalLMStage
 
 
 def split_layers(num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None) -> list[range]:

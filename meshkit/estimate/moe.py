@@ -15,16 +15,20 @@ a layer whose saved bytes stop being linear raises instead of extrapolating.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
 from meshkit._compat import storage_key
-from meshkit.models.moe import MoESpec, moe_spec
+from meshkit.estimate.spec import DTYPES, config_from_key, config_key
+from meshkit.estimate.trace import Recorder, by_part, recording
+from meshkit.expert_parallel.moe import MoE
+from meshkit.models import llama
+from meshkit.models.moe import MoESpec, convert_moe_blocks, moe_spec
 
 MOE_PARTS = {"gate": "router", "experts": "experts", "shared_expert": "shared_expert"}
 DEFAULT_PART = "dispatch_combine"  # ops of MoE.forward itself: scores, top-k, gather, scatter-add
@@ -53,12 +57,7 @@ def require_supported(config: Any) -> MoESpec | None:
 @functools.lru_cache(maxsize=16)
 def _layer_options(config_json: str) -> dict[str, Any]:
     """The options meshkit's converter gives this model's MoE layers, read off a converted meta model."""
-    import transformers
-
-    from meshkit.models import llama
-    from meshkit.models.moe import convert_moe_blocks
-
-    cfg = transformers.AutoConfig.for_model(**json.loads(config_json))
+    cfg = config_from_key(config_json)
     cfg.num_hidden_layers = 1
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -74,34 +73,29 @@ def _layer_options(config_json: str) -> dict[str, Any]:
 
 def layer_options(config: Any) -> dict[str, Any]:
     """Expert count, top-k, expert and shared-expert widths and balancing options of the MoE layers."""
-    from meshkit import estimate_activations as acts
-
-    return _layer_options(acts._config_key(config))
+    return _layer_options(config_key(config))
 
 
 def _measure(options: dict[str, Any], tokens: int, hidden: int, inter: int, shared: int,
              dtype: str) -> dict[str, int]:
     """Bytes one forward of a real small `MoE` keeps for backward, by "mode/part" (parameters
     excluded): mode "none" counts what autograd saves, "selective" what meshkit's policy keeps."""
-    from meshkit import estimate_activations as acts
-    from meshkit.expert_parallel.moe import MoE
-
     opts = {k: v for k, v in options.items() if k not in ("intermediate_size", "shared_intermediate_size",
                                                           "keep_router_stats", "num_experts", "top_k")}
     torch.manual_seed(0)
     layer = MoE(hidden, inter, options["num_experts"], options["top_k"], shared_intermediate_size=shared,
-                expert_backend="loop", dtype=acts.DTYPES[dtype], **opts)
+                expert_backend="loop", dtype=DTYPES[dtype], **opts)
     layer.keep_router_stats = options["keep_router_stats"]
-    recorder = acts._Recorder({storage_key(p) for p in layer.parameters()})
+    recorder = Recorder({storage_key(p) for p in layer.parameters()})
     module_parts: dict[nn.Module, str] = {getattr(layer, name): part for name, part in MOE_PARTS.items()
                                           if getattr(layer, name, None) is not None}
-    x = torch.randn(tokens, hidden, dtype=acts.DTYPES[dtype], requires_grad=True)
-    with acts._recording(recorder, module_parts, DEFAULT_PART):
+    x = torch.randn(tokens, hidden, dtype=DTYPES[dtype], requires_grad=True)
+    with recording(recorder, module_parts, DEFAULT_PART):
         out = layer(x)
     layer.router_stats = None
     del out
     return {f"{mode}/{part}": n for mode, entries in (("none", recorder.saved), ("selective", recorder.cached))
-            for part, n in acts._by_part(entries, set()).items()}
+            for part, n in by_part(entries, set()).items()}
 
 
 @dataclass(frozen=True)
@@ -156,10 +150,8 @@ def _identify(config_json: str, hidden: int, dtype: str) -> LayerBytes:
 
 def layer_activations(config: Any, tokens: int, dtype: str, ac: str) -> dict[str, int]:
     """Bytes one MoE layer keeps for `tokens` tokens on this rank (AC none or selective), by part."""
-    from meshkit import estimate_activations as acts
-
     if ac == "full":
         return {}
-    identified = _identify(acts._config_key(config), config.hidden_size, dtype)
+    identified = _identify(config_key(config), config.hidden_size, dtype)
     prefix = ac + "/"
     return {k[len(prefix):]: n for k, n in identified.at(tokens).items() if k.startswith(prefix) and n}

@@ -1,19 +1,20 @@
-"""The estimator's report and command line (`python -m meshkit.estimate`, shared flags for plan_search)."""
+"""The estimator's report, and the command-line flags `python -m meshkit.estimate` and the plan
+search share (model, world, sequence, device and its overrides)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
-import sys
 
-from meshkit import estimate as est
-from meshkit import estimate_activations as acts
-from meshkit import estimate_moe as moe
 from meshkit import metrics
-from meshkit.estimate import DEVICES, MODEL_PRESETS, Device, Estimate, GiB, Workload
+from meshkit.estimate import activations as acts
+from meshkit.estimate import moe
+from meshkit.estimate.core import Estimate, flop_counter_check
+from meshkit.estimate.memory import param_specs
+from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB
+from meshkit.models import llama
 from meshkit.models.moe import moe_spec
-from meshkit.plan import Plan
 
 
 def _gib(n: float) -> str:
@@ -30,9 +31,9 @@ def _bytes(n: float) -> str:
 def render(e: Estimate, check_flops: bool = True) -> str:
     """The per-rank report the CLI prints."""
     c, p, w, mem = e.config, e.plan, e.workload, e.memory
-    heads, kv, _ = acts._attn_dims(c)
+    heads, kv, _ = llama.attention_dims(c)
     n_total = sum(math.prod(s.shape) * (c.num_hidden_layers if s.unit in ("block", "expert") else 1)
-                  for s in est._param_specs(acts._config_key(c))[0])
+                  for s in param_specs(c)[0])
     experts = moe.require_supported(c)
     ffn = c.intermediate_size
     if experts is not None:
@@ -80,7 +81,7 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"  per token: model {f.model / 1e9:.2f} GFLOP, hardware {f.hardware / 1e9:.2f} GFLOP")
     L.append(f"  per step: {world_flops / 1e15:.1f} PFLOP model, {world_flops / p.world_size / 1e12:.1f} TFLOP per rank")
     if check_flops:
-        counted, formula = est.flop_counter_check(c, w.seq)
+        counted, formula = flop_counter_check(c, w.seq)
         part = " (attention part; the MoE layer routes by data)" if moe_spec(c) is not None else ""
         L.append(f"  FlopCounterMode, one fake block{part} at seq {w.seq}: {counted / 1e12:.3f} TFLOP vs "
                  f"formula {formula / 1e12:.3f} (ratio {counted / formula:.4f})")
@@ -114,8 +115,8 @@ def parse_tokens(text: str) -> int:
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    """The command-line flags shared by `meshkit.estimate` and `meshkit.plan_search`."""
-    parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
+    """The command-line flags shared by `python -m meshkit.estimate` and `python -m meshkit.plan_search`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), config.json or dir")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
@@ -138,37 +139,3 @@ def device_from_args(args: argparse.Namespace) -> Device:
                                  ("gpus_per_node", args.gpus_per_node),
                                  ("memory_bytes", args.memory_gib and args.memory_gib * GiB)) if v}
     return dataclasses.replace(d, **changes)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit code."""
-    parser = build_parser()
-    parser.add_argument("--plan", default="", help='e.g. "tp=8,dp_shard=-1" (meshkit.Plan.from_string)')
-    parser.add_argument("--mbs", type=int, default=1, help="sequences per microbatch per data-parallel rank")
-    parser.add_argument("--ac", choices=acts.AC_MODES, help="activation checkpointing (overrides the plan)")
-    parser.add_argument("--microbatches", type=int,
-                        help="per step per data rank (default: the plan's pp_microbatches, or 1 without pipeline)")
-    parser.add_argument("--global-batch-tokens", help="e.g. 1M; sets microbatches = tokens / (dp*mbs*seq)")
-    parser.add_argument("--no-flop-check", action="store_true", help="skip the FlopCounterMode cross-check")
-    Plan.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    config = est.load_config(args.model)
-    plan = Plan.from_cli_args(args, Plan.from_string(args.plan))
-    given = args.plan.replace(" ", "")
-    if "param_dtype=" not in given and getattr(args, "plan_param_dtype", None) is None:
-        plan = dataclasses.replace(plan, param_dtype="bfloat16")  # the recipes' mixed precision
-    if args.ac:
-        plan = dataclasses.replace(plan, activation_checkpointing=args.ac)
-    plan = plan.resolve(args.world)
-    m = args.microbatches or plan.microbatches
-    if args.global_batch_tokens:
-        m = max(1, round(parse_tokens(args.global_batch_tokens) / (plan.dp * args.mbs * args.seq)))
-    if plan.pp > 1 and plan.pp_microbatches is None:
-        plan = dataclasses.replace(plan, pp_microbatches=m)  # one pipeline call per step
-    workload = Workload(args.seq, args.mbs, m, args.mfu)
-    print(render(est.estimate(config, plan, args.world, workload, device_from_args(args)), not args.no_flop_check))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

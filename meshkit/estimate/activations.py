@@ -26,33 +26,27 @@ from __future__ import annotations
 
 import copy
 import functools
-import weakref
-from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
-from meshkit._compat import dispatch_mode_base, fake_tensor_mode, storage_key, storage_nbytes
-from meshkit.activation_checkpoint import is_saved_op, moe_blocks_full
+from meshkit import loss as loss_lib
+from meshkit._compat import fake_tensor_mode, storage_key
+from meshkit.context_parallel import hf as cp_hf
+from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
+from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models import llama
 from meshkit.models.moe import moe_spec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",
                "down_proj", "residual")
 _SEQ_SHARDED = frozenset({"attn_norm", "mlp_norm", "residual"})  # on s/tp tokens under SP
 _ROLE_PART = {("colwise", "attention"): "qkv_proj", ("rowwise", "attention"): "o_proj",
               ("colwise", "mlp"): "gate_up_proj", ("rowwise", "mlp"): "down_proj",
               ("attention", ""): "attention", ("mlp", ""): "mlp_act", ("head_norm", "attention"): "attention"}
-AC_MODES = ("none", "selective", "full")
-
-
-# ------------------------------------------------------------------------- private torch APIs
-# The lead moves these three into meshkit/_compat.py (every private torch API lives there).
 
 
 # ---------------------------------------------------------------------------------- the traces
@@ -83,7 +77,7 @@ def local_config(config: Any, tp: int, vocab: int | None = None) -> Any:
     Colwise/rowwise sharding leaves each rank an ordinary Llama block with fewer heads and a
     narrower MLP; HF reshapes with `view(..., -1, head_dim)`, so head_dim must be pinned.
     """
-    heads, kv, head_dim = _attn_dims(config)
+    heads, kv, head_dim = llama.attention_dims(config)
     cfg = copy.deepcopy(config)
     cfg.num_attention_heads = heads // tp
     cfg.num_key_value_heads = kv // tp
@@ -96,41 +90,15 @@ def local_config(config: Any, tp: int, vocab: int | None = None) -> Any:
     return cfg
 
 
-def _attn_dims(config: Any) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-
-_KEYS: dict[int, tuple[Any, str]] = {}
-
-
-def _config_key(config: Any) -> str:
-    """The config as JSON, the cache key of every trace; memoised per config object (a config is
-    treated as immutable once estimated), because serialising it dominates a cached estimate."""
-    hit = _KEYS.get(id(config))
-    if hit is not None and hit[0]() is config:
-        return hit[1]
-    key = config.to_json_string(use_diff=False)
-    try:
-        _KEYS[id(config)] = (weakref.ref(config), key)
-    except TypeError:  # not weak-referenceable: just do not memoise
-        pass
-    return key
-
-
 @functools.lru_cache(maxsize=64)
-def _build(config_json: str, tp: int, vocab: int | None, dtype: str) -> tuple[Any, llama.CausalLMParts]:
+def build_block(config_json: str, tp: int, vocab: int | None, dtype: str) -> tuple[Any, llama.CausalLMParts]:
     """A one-block model of the TP-local shapes, as fake CPU tensors; cached per shape."""
-    import transformers
-
-    base = transformers.AutoConfig.for_model(**_json_to_dict(config_json))
-    cfg = local_config(base, tp, vocab)
+    cfg = local_config(config_from_key(config_json), tp, vocab)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
     llama.check_supported(model)
-    _pin_attention(model)
-    if moe_spec(cfg) is not None:  # routing is data-dependent: estimate_moe measures the MoE layer itself
+    pin_attention(model)
+    if moe_spec(cfg) is not None:  # routing is data-dependent: estimate.moe measures the MoE layer itself
         for block in llama.parts(model).blocks:
             block.mlp = nn.Identity()
     mode = fake_tensor_mode()
@@ -139,18 +107,10 @@ def _build(config_json: str, tp: int, vocab: int | None, dtype: str) -> tuple[An
     return mode, llama.parts(model)
 
 
-def _pin_attention(model: nn.Module) -> None:
+def pin_attention(model: nn.Module) -> None:
     """Route attention exactly as `parallelize` does (meshkit's registered causal attention, which
     is SDPA when cp = 1), so the trace saves what a meshkit run saves."""
-    from meshkit.context_parallel import hf as cp_hf
-
     cp_hf.install(model)
-
-
-def _json_to_dict(text: str) -> dict[str, Any]:
-    import json
-
-    return json.loads(text)
 
 
 def _block_parts(block: nn.Module) -> dict[str, str]:
@@ -169,81 +129,9 @@ def _block_parts(block: nn.Module) -> dict[str, str]:
     return names
 
 
-class _Recorder:
-    """Attributes saved tensors and MUST_SAVE outputs to the part running when they appear."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude  # parameter storages
-        self.stack: list[str] = []
-        self.saved: dict[int, tuple[str, int]] = {}
-        self.cached: dict[int, tuple[str, int]] = {}
-        self.keep: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
-
-    def part(self, default: str) -> str:
-        return self.stack[-1] if self.stack else default
-
-    def on_saved(self, tensor: torch.Tensor, default: str) -> None:
-        key = storage_key(tensor)
-        if key not in self.exclude and key not in self.saved:
-            self.saved[key] = (self.part(default), storage_nbytes(tensor))
-            self.keep.append(tensor)
-
-    def on_output(self, func: Any, out: Any, default: str) -> None:
-        if not is_saved_op(func):
-            return
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                if key not in self.cached:
-                    self.cached[key] = (self.part(default), storage_nbytes(t))
-                    self.keep.append(t)
-
-
-@contextmanager
-def _recording(recorder: _Recorder, module_parts: dict[nn.Module, str], default: str) -> Iterator[None]:
-    def enter(part: str) -> Any:
-        def hook(*_: Any) -> None:
-            recorder.stack.append(part)
-
-        return hook
-
-    def leave(*_: Any) -> None:  # returns None: a forward hook's return value would replace the output
-        recorder.stack.pop()
-
-    handles = []
-    for module, part in module_parts.items():
-        handles.append(module.register_forward_pre_hook(enter(part)))
-        handles.append(module.register_forward_hook(leave))
-
-    class _Outputs(dispatch_mode_base()):  # type: ignore[misc]
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = func(*args, **(kwargs or {}))
-            recorder.on_output(func, out, default)
-            return out
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        recorder.on_saved(tensor, default)
-        return tensor
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Outputs():
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _by_part(entries: dict[int, tuple[str, int]], skip: set[int]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for key, (part, nbytes) in entries.items():
-        if key not in skip:
-            out[part] += nbytes
-    return dict(out)
-
-
 @functools.lru_cache(maxsize=512)
 def _trace_block_cached(config_json: str, seq: int, tp: int, dtype: str) -> BlockTrace:
-    mode, parts = _build(config_json, tp, None, dtype)
+    mode, parts = build_block(config_json, tp, None, dtype)
     block, rotary = parts.blocks[0], parts.rotary
     params = {storage_key(p) for p in block.parameters()}
     sub = dict(block.named_modules())
@@ -253,16 +141,16 @@ def _trace_block_cached(config_json: str, seq: int, tp: int, dtype: str) -> Bloc
         positions = torch.arange(seq).unsqueeze(0)
         cos, sin = rotary(hidden, positions)
         rotary_keys = {storage_key(t) for t in (cos, sin)}
-        recorder = _Recorder(params)
-        with _recording(recorder, module_parts, "residual"):
+        recorder = Recorder(params)
+        with recording(recorder, module_parts, "residual"):
             llama.run_block(block, hidden, (cos, sin), positions)
     # The block input is the previous block's output: when a part saves it (an fp32 norm's
     # "copy" is the input itself), it belongs to this block. Only cos/sin are shared.
     shared = sum(n for key, (_, n) in recorder.saved.items() if key in rotary_keys)
     largest = max((n for key, (_, n) in recorder.saved.items() if key not in rotary_keys), default=0)
     return BlockTrace(
-        saved=_by_part(recorder.saved, rotary_keys),
-        cached=_by_part(recorder.cached, rotary_keys),
+        saved=by_part(recorder.saved, rotary_keys),
+        cached=by_part(recorder.cached, rotary_keys),
         shared=shared,
         block_input=hidden.numel() * hidden.element_size(),
         largest=largest,
@@ -277,25 +165,23 @@ def block_hidden(parts: llama.CausalLMParts) -> int:
 def trace_block(config: Any, seq: int, tp: int = 1, dtype: str = "bfloat16") -> BlockTrace:
     """Trace one TP-local block on one sequence of `seq` tokens (cached per shape)."""
     _check_tp(config, tp)
-    return _trace_block_cached(_config_key(config), seq, tp, dtype)
+    return _trace_block_cached(config_key(config), seq, tp, dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _trace_head_cached(config_json: str, seq: int, vocab: int, dtype: str) -> HeadTrace:
-    from meshkit import loss as loss_lib
-
-    mode, parts = _build(config_json, 1, vocab, dtype)
+    mode, parts = build_block(config_json, 1, vocab, dtype)
     params = {storage_key(p) for p in (parts.norm.weight, parts.lm_head.weight)}
     module_parts = {parts.norm: "final_norm", parts.lm_head: "lm_head"}
     with mode:
         hidden = torch.empty(1, seq, block_hidden(parts), dtype=DTYPES[dtype], requires_grad=True)
         labels = torch.zeros(1, seq, dtype=torch.long)
-        recorder = _Recorder(params)
-        with _recording(recorder, module_parts, "loss"):
+        recorder = Recorder(params)
+        with recording(recorder, module_parts, "loss"):
             logits = parts.lm_head(parts.norm(hidden))
             loss_lib.summed_cross_entropy(logits, loss_lib.shift_labels(labels))
         nbytes = logits.numel() * logits.element_size()
-    return HeadTrace(saved=_by_part(recorder.saved, set()), logits=nbytes)
+    return HeadTrace(saved=by_part(recorder.saved, set()), logits=nbytes)
 
 
 def trace_head(config: Any, seq: int, tp: int = 1, loss_parallel: bool = True, dtype: str = "bfloat16") -> HeadTrace:
@@ -305,11 +191,11 @@ def trace_head(config: Any, seq: int, tp: int = 1, loss_parallel: bool = True, d
     without it the logits are gathered to the full vocabulary first.
     """
     vocab = -(-config.vocab_size // tp) if loss_parallel else config.vocab_size
-    return _trace_head_cached(_config_key(config), seq, vocab, dtype)
+    return _trace_head_cached(config_key(config), seq, vocab, dtype)
 
 
 def _check_tp(config: Any, tp: int) -> None:
-    heads, kv, _ = _attn_dims(config)
+    heads, kv, _ = llama.attention_dims(config)
     dims = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
     if moe_spec(config) is None:  # experts are never split by TP
         dims.append(("intermediate_size", config.intermediate_size))
@@ -321,20 +207,19 @@ def _check_tp(config: Any, tp: int) -> None:
 # --------------------------------------------------------------------------- scaled by the plan
 
 
-def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                      dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> dict[str, int]:
-    """Bytes one block keeps between its forward and backward, by part, on one rank.
+def traced_block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
+                              dtype: str = "bfloat16", ac: str = "none") -> dict[str, int]:
+    """Bytes the traced part of one block keeps between its forward and backward, by part, on one rank.
 
-    `seq` is the rank's sequence length (already divided by cp). The rotary cos/sin are not
-    included: they are shared by the blocks of a stage (`shared_activations`).
+    The traced part is the whole block of a dense model and everything but the MoE layer of an MoE
+    block (`estimate.memory.block_activations` adds the layer). `seq` is the rank's sequence length
+    (already divided by cp). The rotary cos/sin are not included: they are shared by the blocks of
+    a stage (`shared_activations`).
     """
     if ac not in AC_MODES:
         raise ValueError(f"ac={ac!r}: must be one of {AC_MODES}")
     trace = trace_block(config, seq, tp, dtype)
     sp = tp if (tp > 1 and sequence_parallel) else 1
-    moe = moe_spec(config) is not None
-    if moe and ac == "selective" and moe_blocks_full(tp, ep):
-        ac = "full"  # what parallelize does: SAC's op replay cannot follow the routing replay
     if ac == "none":
         out = {part: batch * (n // sp if part in _SEQ_SHARDED else n) for part, n in trace.saved.items()}
     else:
@@ -343,10 +228,6 @@ def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequenc
         out.update({part: batch * n for part, n in trace.cached.items()})
         if sp > 1:  # the reduce-scatters that end the SP regions are MUST_SAVE too
             out["reduce_scatter"] = 2 * batch * trace.block_input // sp
-    if moe:  # each TP rank routes its own sequence shard
-        from meshkit import estimate_moe
-
-        out.update(estimate_moe.layer_activations(config, batch * seq // sp, dtype, ac))
     return out
 
 
@@ -375,22 +256,6 @@ def loss_transient(config: Any, *, batch: int, seq: int, tp: int = 1, loss_paral
     trace = trace_head(config, seq, tp, loss_parallel, dtype)
     elements = trace.logits // DTYPES[dtype].itemsize
     return batch * 8 * elements
-
-
-def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                          dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> int:
-    """Bytes one block needs on top of what it kept while its backward runs.
-
-    Under AC the block's dropped tensors come back all at once (recompute), then its gradients
-    need buffers; we count the dropped tensors plus two of the largest saved tensor for the
-    gradient in flight. Without AC only the gradient buffers remain.
-    """
-    kept = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
-                                 dtype=dtype, ac=ac, ep=ep).values())
-    everything = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
-                                       dtype=dtype, ac="none").values())
-    largest = batch * trace_block(config, seq, tp, dtype).largest
-    return max(everything - kept, 0) + 2 * largest
 
 
 def korthikanti_bytes(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,

@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from meshkit import estimate_activations as acts
-from meshkit import estimate_moe as moe
+from meshkit.estimate import moe
+from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
+from meshkit.mesh import AXES
+from meshkit.models import llama
 from meshkit.plan import Plan
 
-if TYPE_CHECKING:
-    from meshkit.estimate import Device, ModelState, Workload
 
 @dataclass(frozen=True)
 class Collective:
@@ -51,9 +51,6 @@ class Collective:
         return self.wire / self.bandwidth + self.calls * latency
 
 
-_MESH = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
 def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
     """(link name, bandwidth) of an axis's groups: NVLink when a group's ranks share a node.
 
@@ -65,15 +62,10 @@ def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
         span = plan.ep * plan.tp
     else:
         outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate"}.get(axis, axis)
-        span = math.prod(getattr(plan, a) for a in _MESH[_MESH.index(outer):])
+        span = math.prod(getattr(plan, a) for a in AXES[AXES.index(outer):])
     if span <= device.gpus_per_node:
         return "nvlink", device.nvlink_bw
     return "ib", device.ib_bw
-
-
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of a plan dtype name ("bfloat16" -> 2)."""
-    return acts.DTYPES[name].itemsize
 
 
 def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
@@ -88,7 +80,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
     before the MLP's reduce-scatter).
     """
-    heads, kv, d = acts._attn_dims(config)
+    heads, kv, d = llama.attention_dims(config)
     h, act = config.hidden_size, dtype_bytes(plan.param_dtype)
     m, mbs, seq = workload.microbatches, workload.mbs, workload.seq // plan.cp
     ac, blocks, out = plan.activation_checkpointing, state.blocks, []

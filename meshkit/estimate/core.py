@@ -1,0 +1,181 @@
+"""What a plan costs before any GPU is touched: memory per rank, FLOPs, bytes per axis, step time.
+
+The Ultrascale Playbook's accounting, specialised to what meshkit actually runs:
+
+- Model state and activations per rank (`memory`): FSDP2's sharded fp32 parameters, gradients and
+  AdamW moments; activations measured from the real HF block under FakeTensorMode (`activations`)
+  and from meshkit's MoE layer (`moe`), scaled by the plan: TP/SP local shapes, s/cp tokens,
+  in-flight microbatches from meshkit's pipeline simulator.
+- FLOPs: `meshkit.metrics.flops_per_token` (the MFU convention), cross-checked on one real-shaped
+  fake block with `torch.utils.flop_counter.FlopCounterMode`.
+- Communication (`comm`): every collective the plan issues per step, its link (NVLink inside a node, the
+  GPU's NIC across nodes, from the mesh order pp > dp_replicate > dp_shard > cp > tp), and how much
+  of it the compute it overlaps with can hide.
+
+Step time = compute at an assumed efficiency (with the pipeline bubble from the simulator) + the
+communication that does not hide. docs/estimate.md has the derivations and the conventions.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshkit import metrics
+from meshkit.activation_checkpoint import moe_blocks_full
+from meshkit.estimate import activations as acts
+from meshkit.estimate import moe
+from meshkit.estimate.comm import Collective, communication
+from meshkit.estimate.memory import RankMemory, model_state, rank_memory
+from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
+from meshkit.models import llama
+from meshkit.models.moe import moe_spec
+from meshkit.pipeline.schedules import build_schedule
+from meshkit.pipeline.simulate import Costs, simulate
+from meshkit.plan import Plan
+
+# ---------------------------------------------------------------------------------- the estimate
+
+
+@functools.lru_cache(maxsize=128)
+def _simulate(schedule: str, pp: int, m: int, v: int, recompute: Fraction) -> Any:
+    """meshkit's pipeline simulator in units of one stage forward (B = F + recompute, W = F)."""
+    return simulate(build_schedule(schedule, pp, m, v), Costs(1, 1 + recompute, 1))
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """One pipeline call: makespan in units of one stage forward, bubble, in-flight pairs per rank."""
+
+    step_time: Fraction
+    bubble_fraction: Fraction
+    peak_activations: tuple[int, ...]
+
+
+# Schedules whose steady state repeats per microbatch: after the warm-up, every further microbatch
+# adds exactly its own work to every rank and nothing to the idle time or the in-flight peak.
+_STEADY = ("1f1b", "zb_h1", "interleaved_1f1b")
+
+
+def pipeline_timing(schedule: str, pp: int, m: int, v: int, recompute: Fraction) -> PipelineTiming:
+    """The simulator's timing of one call, simulated at most ~4 rounds of pp microbatches deep.
+
+    Replaying 128 microbatches costs a second in exact arithmetic and a search asks for hundreds of
+    shapes; for the steady-state schedules the makespan beyond 4*pp microbatches grows by exactly
+    v*(F+B+W) per microbatch (tests compare against full simulations), so longer calls extend a
+    shorter simulation rather than replaying it.
+    """
+    cap = m % pp + 4 * pp  # keeps interleaving's grouping (first group pp + m % pp, then groups of pp)
+    m_sim = cap if schedule in _STEADY and m > cap else m
+    sim = _simulate(schedule, pp, m_sim, v, recompute)
+    step = sim.step_time + (m - m_sim) * v * (3 + recompute)
+    idle = sum(sim.idle, Fraction(0))
+    return PipelineTiming(step, idle / (step * pp), sim.peak_activations)
+
+
+@dataclass
+class Estimate:
+    """Everything the estimator derives for one plan: memory per rank, FLOPs, communication, time."""
+    config: Any
+    plan: Plan
+    workload: Workload
+    device: Device
+    memory: RankMemory           # the rank with the highest peak
+    flops: metrics.FlopsPerToken
+    comm: list[Collective]
+    sim: PipelineTiming | None
+    times: dict[str, float]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The worst rank's peak memory."""
+        return self.memory.peak
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step."""
+        return self.workload.global_tokens(self.plan)
+
+    @property
+    def step_time(self) -> float:
+        """Estimated seconds per step: compute, pipeline bubble and exposed communication."""
+        return self.times["step"]
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation the estimated step time implies."""
+        per_rank = self.flops.model * self.tokens_per_step / self.plan.world_size
+        return per_rank / (self.step_time * self.device.peak_flops)
+
+
+def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: Device | str = "h100") -> Estimate:
+    """Memory, FLOPs, communication and step time of one plan. pp/cp/ep degrees meshkit does not run
+    yet are estimated all the same; `plan_search` marks them."""
+    device = DEVICES[device] if isinstance(device, str) else device
+    plan = plan.resolve(world)
+    if plan.world_size != world:
+        raise ValueError(f"the plan needs {plan.world_size} ranks, not world={world}")
+    spec = moe.require_supported(config)
+    if plan.ep > 1 and spec is None:
+        raise ValueError(f"ep={plan.ep}: the model is dense, with no experts to shard; fix: ep=1")
+    if spec is not None and spec.num_experts % plan.ep:
+        raise ValueError(f"ep={plan.ep} does not divide num_experts={spec.num_experts}; fix: an ep dividing it")
+    flops = metrics.flops_per_token(config, workload.seq, plan.activation_checkpointing,
+                                    moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
+    share = workload.mbs * workload.seq / (plan.tp * plan.cp) / (device.peak_flops * workload.mfu)
+    heads, _, d = llama.attention_dims(config)
+    t_layer_fwd = (2 * metrics.active_block_params(config) + 4 * heads * d * workload.seq) * share
+    t_layer_rec = flops.recompute * share / config.num_hidden_layers
+    t_stage_fwd = flops.model / 3 * share / plan.pp
+    t_stage_rec = flops.recompute * share / plan.pp
+    state0 = model_state(config, plan, pp_rank=plan.pp - 1)
+    comm = communication(config, plan, workload, device, state0, t_layer_fwd, t_layer_rec)
+    sim = None
+    if plan.pp > 1:
+        # Costs in units of one stage's forward; the recompute ratio is rounded so that plans share
+        # simulations (P2P is accounted in `communication`, not in the simulated step).
+        if workload.microbatches % plan.microbatches:
+            raise ValueError(f"microbatches={workload.microbatches} per step is not a multiple of the plan's "
+                             f"pp_microbatches={plan.microbatches}")
+        v = plan.pp_virtual_stages
+        recompute = Fraction(t_stage_rec / t_stage_fwd).limit_denominator(8) if t_stage_fwd else Fraction(0)
+        sim = pipeline_timing(plan.pp_schedule, plan.pp, plan.microbatches, v, recompute)
+        compute = workload.calls(plan) * float(sim.step_time) * t_stage_fwd / v
+        bubble = float(sim.bubble_fraction)
+    else:
+        compute, bubble = workload.microbatches * (3 * t_stage_fwd + t_stage_rec), 0.0
+    ranks = [rank_memory(config, plan, workload, r, sim.peak_activations[r] if sim is not None else 1)
+             for r in range(plan.pp)]
+    exposed = sum(c.exposed for c in comm)
+    times = {"compute": compute, "bubble": bubble, "exposed_comm": exposed, "step": compute + exposed}
+    return Estimate(config, plan, workload, device, max(ranks, key=lambda r: r.peak), flops, comm, sim, times)
+
+
+def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
+    """(counted, formula): training FLOPs of one block on one sequence, counted by FlopCounterMode on a
+    fake block of the real shape (eager attention: the counter has no formula for the CPU flash
+    kernel), and metrics' convention for one block minus its norm weights, which feed no matmul.
+
+    For an MoE block both sides leave the MoE layer out: its FLOPs depend on the routing, which fake
+    tensors cannot follow (tests count it with real tensors at small shapes)."""
+    mode, parts = acts.build_block(config_key(config), 1, None, "bfloat16")
+    block = parts.blocks[0]
+    llama.use_attention(block, "eager")
+    try:
+        with mode, FlopCounterMode(display=False) as counter:
+            x = torch.empty(1, seq, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+            pos = torch.arange(seq).unsqueeze(0)
+            llama.run_block(block, x, parts.rotary(x, pos), pos).sum().backward()
+    finally:
+        acts.pin_attention(block)
+    heads, _, d = llama.attention_dims(config)
+    params = metrics.block_params(config) - 2 * config.hidden_size
+    if moe_spec(config) is not None:  # build_block made the MLP an Identity
+        params -= 3 * config.hidden_size * config.intermediate_size
+    formula = 6.0 * params * seq + 12.0 * heads * d * seq * seq
+    return float(counter.get_total_flops()), formula

@@ -1,0 +1,237 @@
+"""Memory of one rank at its peak: model state from the real parameter shapes, activations, buffers.
+
+Model state follows what FSDP2 keeps: the *sharded* fp32 parameters (they are the master weights),
+sharded fp32 gradients (meshkit reduces in fp32) and AdamW's two fp32 moments, 16 bytes per parameter
+divided by the FSDP degree (dp_shard * cp). The bf16 parameter and gradient copies the Playbook
+counts as persistent (2 + 2 bytes) exist here only per FSDP unit, while it runs; the Playbook's
+DDP/ZeRO-1/2/3 figures are kept beside it for comparison.
+
+Activations are composed here, dense and MoE in one place: the traced part of a block
+(`activations`) plus, for MoE blocks, the measured MoE layer (`moe`), scaled by the in-flight
+microbatches the pipeline simulator reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+from meshkit.activation_checkpoint import moe_blocks_full
+from meshkit.data_parallel import expert_shard_dim
+from meshkit.estimate import activations as acts
+from meshkit.estimate import moe
+from meshkit.estimate.spec import ModelState, ParamSpec, Workload, config_from_key, config_key, dtype_bytes
+from meshkit.models import llama
+from meshkit.models.moe import convert_moe_blocks, moe_spec
+from meshkit.pipeline.split import split_layers, stages_of_rank
+from meshkit.plan import Plan
+
+
+def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
+    """Blocks of each of a rank's stages, per pipeline rank, from meshkit's own split (the embedding
+    and the head count as a layer each, so the first and last stages get fewer blocks)."""
+    v = plan.pp_virtual_stages if plan.pp > 1 else 1
+    ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
+    return [[len(ranges[s]) for s in stages_of_rank(r, plan.pp, v)] for r in range(plan.pp)]
+
+
+# -------------------------------------------------------------------------------- model state
+
+
+@functools.lru_cache(maxsize=16)
+def _param_specs(config_json: str) -> tuple[tuple[ParamSpec, ...], int, bool]:
+    cfg = config_from_key(config_json)
+    layers, cfg.num_hidden_layers = cfg.num_hidden_layers, 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if moe.require_supported(cfg) is not None:
+        convert_moe_blocks(model)
+    parts = llama.parts(model)
+    roles = llama.block_roles(parts.blocks[0])
+    specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed")]
+    for name, p in parts.blocks[0].named_parameters():
+        owner, leaf = name.rsplit(".", 1)
+        tp_dim = {"colwise": 0, "rowwise": 1 if leaf == "weight" else None}.get(roles.get(owner, ""))
+        in_moe = roles.get("mlp") == "moe" and owner.startswith("mlp")
+        specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe))
+    specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head"))
+    if not parts.tied:
+        specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head"))
+    return tuple(specs), layers, parts.tied
+
+
+def param_specs(config: Any) -> tuple[tuple[ParamSpec, ...], int, bool]:
+    """(one block's and the edges' parameters, the layer count, whether embeddings are tied).
+
+    Shapes come from a one-block model on the meta device and meshkit's role table, so biases
+    (Qwen2) and per-head norms (Qwen3) are covered without a formula per model family; MoE blocks
+    are converted to meshkit's layer first, whose router and shared expert TP leaves whole.
+    """
+    return _param_specs(config_key(config))
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """Rows of chunk `index` when torch.chunk splits n rows into `parts` (DTensor and FSDP2 both do)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def _split_shape(spec: ParamSpec, tp: int, tp_rank: int) -> list[int]:
+    shape = list(spec.shape)
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] = _chunk(shape[spec.tp_dim], tp, tp_rank)
+    return shape
+
+
+def fsdp_dim(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int) -> int:
+    """The dim FSDP shards: 0, except for experts whose count does not divide the FSDP ranks."""
+    if spec.unit != "expert":
+        return 0
+    return expert_shard_dim(tuple(_split_shape(spec, tp, tp_rank)), fsdp)
+
+
+def local_numel(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int, fsdp_rank: int) -> int:
+    """Elements of one parameter on one rank: TP's (or ep's) chunk, then FSDP's chunk of that."""
+    shape = _split_shape(spec, tp, tp_rank)
+    dim = fsdp_dim(spec, tp, tp_rank, fsdp)
+    shape[dim] = _chunk(shape[dim], fsdp, fsdp_rank)
+    return math.prod(shape)
+def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, fsdp_rank: int = 0,
+                param_bytes: int = 4) -> ModelState:
+    """Exact for the visible local shards (`p.to_local()`), which tests check on a CPU mesh; FSDP2
+    pads each shard's allocation to equal rows, at most one row per tensor more."""
+    specs, layers, tied = param_specs(config)
+    fsdp = plan.dp_shard * plan.cp
+    blocks = sum(stage_blocks(config, plan)[pp_rank])
+    count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == 0 or (tied and pp_rank == plan.pp - 1)),
+                "head": int(pp_rank == plan.pp - 1)}
+    numel = tensors = summed_tensors = summed_elements = tied_copy = 0
+    units = {"embed": 0, "block": 0, "head": 0, "expert": 0}
+    zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
+    for spec in specs:
+        count = count_of[spec.unit]
+        # Experts: ep neighbouring ranks of dp_shard x cp split the experts (ep is the inner factor),
+        # and FSDP shards each rank's block of experts over the fsdp/ep ranks holding the same block.
+        split, split_rank, shards, shard_rank = plan.tp, tp_rank, fsdp, fsdp_rank
+        if spec.unit == "expert":
+            spec = dataclasses.replace(spec, tp_dim=0)
+            split, split_rank, shards, shard_rank = plan.ep, fsdp_rank % plan.ep, fsdp // plan.ep, fsdp_rank // plan.ep
+        local = count * local_numel(spec, split, split_rank, shards, shard_rank)
+        numel += local
+        tensors += count
+        if spec.tp_summed and plan.tp > 1:
+            summed_tensors, summed_elements = summed_tensors + count, summed_elements + local
+        if spec.unit == "embed" and tied and plan.pp > 1:  # the head's copy on the last stage
+            tied_copy = local
+        held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
+        zero["DDP"] += 16.0 * held
+        zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
+        zero["ZeRO-2"] += 2.0 * held + 14.0 * held / shards
+        zero["ZeRO-3"] += 16.0 * held / shards
+        shape = _split_shape(spec, split, split_rank)
+        rows = shape[fsdp_dim(spec, split, split_rank, shards)]
+        per_row = math.prod(shape) // max(rows, 1)
+        units[spec.unit] += -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
+    return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
+                      units, blocks, zero, summed_tensors, summed_elements, tied_copy)
+
+
+# -------------------------------------------------------------------------------- activations
+
+
+def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
+                      dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> dict[str, int]:
+    """Bytes one block keeps between its forward and backward, by part, on one rank: the traced
+    block, plus the measured MoE layer in an MoE block (each TP rank routes its own sequence shard).
+
+    `seq` is the rank's sequence length (already divided by cp). The rotary cos/sin are not
+    included: they are shared by the blocks of a stage (`activations.shared_activations`).
+    """
+    is_moe = moe_spec(config) is not None
+    if is_moe and ac == "selective" and moe_blocks_full(tp, ep):
+        ac = "full"  # what parallelize does: SAC's op replay cannot follow the routing replay
+    out = acts.traced_block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
+                                        dtype=dtype, ac=ac)
+    if is_moe:
+        sp = tp if (tp > 1 and sequence_parallel) else 1
+        out.update(moe.layer_activations(config, batch * seq // sp, dtype, ac))
+    return out
+
+
+def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
+                          dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> int:
+    """Bytes one block needs on top of what it kept while its backward runs.
+
+    Under AC the block's dropped tensors come back all at once (recompute), then its gradients
+    need buffers; we count the dropped tensors plus two of the largest saved tensor for the
+    gradient in flight. Without AC only the gradient buffers remain.
+    """
+    kept = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
+                                 dtype=dtype, ac=ac, ep=ep).values())
+    everything = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
+                                       dtype=dtype, ac="none").values())
+    largest = batch * acts.trace_block(config, seq, tp, dtype).largest
+    return max(everything - kept, 0) + 2 * largest
+
+
+# ------------------------------------------------------------------------------- one rank's peak
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The memory of one pipeline rank at its peak (end of its last held forward)."""
+
+    pp_rank: int
+    state: ModelState
+    per_block: dict[str, int]  # one block, one microbatch
+    held_blocks: int           # block-microbatches alive at the peak
+    in_flight: int             # (stage, microbatch) pairs alive at the peak
+    shared: int                # rotary cos/sin per in-flight pair
+    head: dict[str, int]       # final norm, LM head and loss (last stage only)
+    transient: int             # max(loss backward buffers, one block's recompute + gradients)
+    fsdp_buffers: int          # gathered units and gradient buffers in flight
+
+    @property
+    def activations(self) -> int:
+        """Activation bytes held at the peak (all in-flight microbatches)."""
+        return self.held_blocks * sum(self.per_block.values()) + self.in_flight * self.shared + sum(self.head.values())
+
+    @property
+    def peak(self) -> int:
+        """Peak bytes: persistent state, activations and transient buffers."""
+        return self.state.persistent + self.activations + self.transient + self.fsdp_buffers
+
+
+
+def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1) -> RankMemory:
+    """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
+    at once (the pipeline simulator's peak for that rank; 1 without pipelining)."""
+    state = model_state(config, plan, pp_rank=pp_rank)
+    seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
+    kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
+    last = pp_rank == plan.pp - 1
+    head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
+    per_block = block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
+    if ac == "selective" and plan.cp > 1 and getattr(plan, "cp_attention", "zigzag") in ("ring", "zigzag", "usp"):
+        # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
+        per_block["attention"] = per_block.get("attention", 0) * plan.cp
+    transient = recompute_working_set(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
+    if last:
+        transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))
+    fsdp_buffers = 0
+    if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
+        act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
+        unit = max(state.unit_elements.values())
+        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        gathered = 2 * unit if reshard else sum(state.unit_elements[k] for k in ("embed", "head")) + \
+            state.blocks * (state.unit_elements["block"] + state.unit_elements["expert"])
+        fsdp_buffers = gathered * act + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
+    largest_stage = max(stage_blocks(config, plan)[pp_rank])  # in-flight pairs may be of any of its stages
+    return RankMemory(pp_rank, state, per_block, in_flight * largest_stage, in_flight,
+                      acts.shared_activations(config, **kw), head, transient, fsdp_buffers)
