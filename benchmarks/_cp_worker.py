@@ -486,9 +486,9 @@ def llama_config(spec: dict) -> Any:
 
 
 class NaiveCP:
-    """Stands in for meshkit's per-layer context-parallel attention (the `meshkit_context_parallel`
-    attribute parallelize sets on each attention module), so the all-gather baseline runs through
-    exactly the same model, sharding and loss as meshkit's kinds."""
+    """Stands in for meshkit's context-parallel attention (the `context_parallel` of each stage, which
+    the stage hands to every attention call), so the all-gather baseline runs through exactly the
+    same model, sharding and loss as meshkit's kinds."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -514,9 +514,8 @@ def build_meshkit(spec: dict, kind: str, ulysses: int) -> Any:
     pm = meshkit.parallelize(model, plan)
     pm.init_weights(0)
     if kind == "all-gather KV":
-        for module in model.modules():
-            if hasattr(module, "meshkit_context_parallel"):
-                module.meshkit_context_parallel = NaiveCP(dist.group.WORLD)
+        for stage in pm.model_parts:
+            stage.context_parallel = NaiveCP(dist.group.WORLD)
     return pm
 
 

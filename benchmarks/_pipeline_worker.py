@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshkit.models import llama
+from meshkit.models.stage import build_stages
 from meshkit.pipeline import split as pp_split
 from meshkit.pipeline.runtime import TensorMeta, run_schedule
 from meshkit.pipeline.schedules import Schedule, build_schedule
@@ -131,7 +132,7 @@ def hf_stages(model: nn.Module, pp: int, v: int, rank: int) -> dict[int, nn.Modu
     parts = llama.parts(model)
     ranges = pp_split.split_layers(len(parts.blocks), pp * v)
     ids = pp_split.stages_of_rank(rank, pp, v)
-    return {s: WithPositions(m) for s, m in pp_split.build_stages(parts, parts.blocks, ranges, ids).items()}
+    return {s: WithPositions(m) for s, m in build_stages(parts, parts.blocks, ranges, ids).items()}
 
 
 # ------------------------------------------------------------------------------------------- steps

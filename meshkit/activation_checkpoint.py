@@ -9,6 +9,7 @@ ops and norms that dominate activation memory for little compute.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,17 +70,18 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, full_only=lambda block: False) -> list[nn.Module]:
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str,
+                                   full_only: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
     """Return the blocks wrapped for `mode` ("none" returns them unchanged).
 
-    Blocks for which `full_only` is true get full checkpointing under "selective": selective
+    Blocks for which `full_only` (if given) is true get full checkpointing under "selective": selective
     checkpointing replays the forward's op sequence by position, which a block whose recompute
     legitimately skips ops (an MoE layer replaying its stored routing under TP or EP, where the
     forward's dispatch planning issues collectives the recompute does not) would break.
     """
     if mode == "none":
         return list(blocks)
-    return [CheckpointedBlock(block, "full" if mode == "selective" and full_only(block) else mode)
+    return [CheckpointedBlock(block, "full" if mode == "selective" and full_only and full_only(block) else mode)
             for block in blocks]
 
 

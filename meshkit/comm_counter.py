@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat import dispatch_mode_base
+from meshkit.mesh import axis  # slices derived (flattened) axes without torch's deprecation warning
 
 # op name -> (kind, index of the argument whose size is the collective's full buffer)
 _C10D_OPS = {
@@ -127,8 +128,6 @@ class CommCounter:
 def _axis_groups(mesh: Any, axes: tuple[str, ...]) -> dict[str, tuple[str, int]]:
     """group_name -> (axis label, size); base axes first, so a derived axis that reuses a base
     axis's group (dp_shard_cp when cp=1) keeps the base name."""
-    from meshkit.mesh import axis  # slices derived (flattened) axes without torch's deprecation warning
-
     groups: dict[str, tuple[str, int]] = {}
     candidates = list(mesh.mesh_dim_names or ()) + list(axes or ("dp", "dp_shard_cp", "dp_cp"))
     for name in candidates:

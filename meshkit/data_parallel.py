@@ -9,11 +9,12 @@ meshkit's loss already divides by the global count of valid tokens.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from meshkit._compat import fsdp_sum_gradients
@@ -83,10 +84,35 @@ def apply_fsdp(
     return wrapped
 
 
+def apply_fsdp_to_stages(
+    stages: Iterable[nn.Module],
+    expert_layers: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    *,
+    tied: bool,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: bool,
+) -> None:
+    """FSDP units of meshkit's stages: each MoE layer's experts (over `expert_mesh`, the data ranks ep
+    leaves), then per stage the embedding, each block, `[norm, lm_head]` and the stage as root.
+
+    A tied weight lives in both the embedding and the head and can belong to one unit only, so with
+    tying (`tied`) both stay in the root unit.
+    """
+    policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
+    for moe in expert_layers:
+        apply_fsdp([], moe.experts, expert_mesh, shard_placement_fn=expert_placement(expert_mesh.shape[-1]),
+                   **policy)
+    for stage in stages:
+        edges = [stage.embed] if stage.embed is not None and not tied else []
+        tail = [[stage.norm, stage.lm_head]] if stage.lm_head is not None and not tied else []
+        apply_fsdp(edges + list(stage.layers.values()) + tail, stage, mesh, **policy)
+
+
 def reshard_fsdp(module: nn.Module) -> None:
     """Free every FSDP unit under `module` that is still gathered (after a forward without backward)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()

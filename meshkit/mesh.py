@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshkit._compat import flatten_mesh, split_axis, submesh
+from meshkit._compat import concatenate_meshes, flatten_mesh, split_axis, submesh
 from meshkit.plan import Plan, PlanError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -81,10 +81,9 @@ def require_launcher(plan: Plan) -> None:
         return
     resolved = plan.resolve(1) if plan.dp_shard == -1 else plan
     if resolved.world_size != 1:
-        raise PlanError(
-            f"Plan is invalid:\n  - this process was not started by torchrun, but the plan "
-            f"({resolved.describe()}) needs {resolved.world_size} processes; fix: run "
-            f"`torchrun --nproc-per-node {resolved.world_size} your_script.py`"
+        raise PlanError.of(
+            f"this process was not started by torchrun, but the plan ({resolved.describe()}) needs "
+            f"{resolved.world_size} processes; fix: run `torchrun --nproc-per-node {resolved.world_size} your_script.py`"
         )
 
 
@@ -105,6 +104,22 @@ def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     for name, axes in DERIVED.items():
         flatten_mesh(mesh[axes], name)
     return mesh
+
+
+def check_mesh(mesh: DeviceMesh, plan: Plan) -> None:
+    """Raise PlanError unless `mesh` is the one `init_mesh(plan)` builds (axis names and sizes)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    expected = tuple(getattr(plan, axis) for axis in AXES)
+    if names != AXES or tuple(mesh.shape) != expected:
+        raise PlanError.of(f"mesh {dict(zip(names, mesh.shape))} does not match the plan {dict(zip(AXES, expected))}; "
+                           f"fix: pass mesh=meshkit.init_mesh(plan) or mesh=None")
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for `mesh` (its current CUDA device, or the CPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -142,8 +157,6 @@ def expert_fsdp_mesh(mesh: DeviceMesh, outer: DeviceMesh) -> DeviceMesh:
     """What FSDP shards expert weights over: the expert-FSDP axis, 2D with dp_replicate under HSDP."""
     if mesh["dp_replicate"].size() == 1:
         return outer
-    from meshkit._compat import concatenate_meshes
-
     return concatenate_meshes([submesh(mesh, "dp_replicate"), outer])
 
 

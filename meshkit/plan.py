@@ -17,6 +17,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from meshkit.context_parallel.sharding import required_multiple
+from meshkit.plan_rules import cp_problems, model_problems, pp_problems
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -28,8 +31,14 @@ CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 DTYPES = ("float32", "bfloat16", "float16")
 
+
 class PlanError(ValueError):
     """A plan that cannot run; the message lists every violation with its fix."""
+
+    @classmethod
+    def of(cls, *problems: str) -> PlanError:
+        """The error for these violations, one line each, in the one format every plan check uses."""
+        return cls("Plan is invalid:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,8 @@ class Plan:
             return self
         others = self.pp * self.dp_replicate * self.cp * self.tp
         if world_size % others:
-            raise PlanError(
-                f"Plan is invalid:\n  - dp_shard=-1 cannot fill world_size={world_size}: the other degrees "
+            raise PlanError.of(
+                f"dp_shard=-1 cannot fill world_size={world_size}: the other degrees "
                 f"multiply to {others}, which does not divide it; fix: launch a multiple of {others} "
                 f"processes or change pp/dp_replicate/cp/tp"
             )
@@ -134,7 +143,7 @@ class Plan:
         plan = self
         if world_size is not None:
             if not isinstance(world_size, int) or world_size < 1:
-                raise PlanError(f"Plan is invalid:\n  - world_size={world_size!r}: must be a positive int")
+                raise PlanError.of(f"world_size={world_size!r}: must be a positive int")
             plan = self.resolve(world_size)
             if plan.world_size != world_size:
                 problems.append(
@@ -142,8 +151,8 @@ class Plan:
                     f"{plan.pp}*{plan.dp_replicate}*{plan.dp_shard}*{plan.cp}*{plan.tp} = {plan.world_size} "
                     f"processes; fix: launch `torchrun --nproc-per-node {plan.world_size}` or set dp_shard=-1"
                 )
-        problems += _check_cp(plan)
-        problems += _check_pp(plan)
+        problems += cp_problems(plan)
+        problems += pp_problems(plan)
         if (plan.dp_shard * plan.cp) % plan.ep:
             problems.append(
                 f"ep={plan.ep}: expert parallelism folds over dp_shard x cp = {plan.dp_shard * plan.cp} ranks and must "
@@ -156,7 +165,7 @@ class Plan:
                 "than the parameters loses gradient bits for nothing; fix: reduce_dtype='float32'"
             )
         if model_config is not None:
-            problems += _check_model(plan, model_config)
+            problems += model_problems(plan, model_config)
         if seq_len is not None:
             if not isinstance(seq_len, int) or seq_len < 2:
                 problems.append(f"seq_len={seq_len!r}: need at least 2 tokens to predict one")
@@ -175,6 +184,12 @@ class Plan:
         return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
 
     @property
+    def fsdp_reshard(self) -> bool:
+        """Whether FSDP frees gathered parameters after forward: `reshard_after_forward`, by default yes
+        unless pipelining, whose microbatches would otherwise re-gather them once each."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
+
+    @property
     def cp_layout(self) -> str:
         """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
         return "zigzag" if self.cp_attention in ("zigzag", "usp") else "contiguous"
@@ -188,8 +203,6 @@ class Plan:
 
     def seq_multiple(self) -> int:
         """Sequence lengths must be a multiple of this: cp's layout times the SP split of each cp shard."""
-        from meshkit.context_parallel.sharding import required_multiple
-
         cp_multiple = required_multiple(self.cp_layout, self.cp, ulysses=self.ulysses_degree) if self.cp > 1 else 1
         sp = self.tp if self.tp > 1 and self.sequence_parallel else 1
         return math.lcm(cp_multiple, self.cp * sp)
@@ -216,9 +229,7 @@ class Plan:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise PlanError(
-                f"Plan is invalid:\n  - unknown option(s) {unknown}; known options: {sorted(known)}"
-            )
+            raise PlanError.of(f"unknown option(s) {unknown}; known options: {sorted(known)}")
         return cls(**dict(data))
 
     @classmethod
@@ -239,7 +250,7 @@ class Plan:
         data: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
             if "=" not in item:
-                raise PlanError(f"Plan is invalid:\n  - {item!r}: expected key=value, e.g. tp=2")
+                raise PlanError.of(f"{item!r}: expected key=value, e.g. tp=2")
             key, value = (s.strip() for s in item.split("=", 1))
             data[key] = _parse_value(cls, key, value)
         return cls.from_dict(data)
@@ -277,21 +288,21 @@ class Plan:
 def _parse_value(cls: type, key: str, value: str) -> Any:
     types = {f.name: f.type for f in fields(cls)}
     if key not in types:
-        raise PlanError(f"Plan is invalid:\n  - unknown option {key!r}; known options: {sorted(types)}")
+        raise PlanError.of(f"unknown option {key!r}; known options: {sorted(types)}")
     kind = str(types[key])
     lowered = value.lower()
     if key == "pp_split":
         try:
             return tuple(int(x) for x in value.replace("/", " ").split())
         except ValueError:
-            raise PlanError(f"Plan is invalid:\n  - pp_split={value!r}: write first-layer indices as 4/8/12") from None
+            raise PlanError.of(f"pp_split={value!r}: write first-layer indices as 4/8/12") from None
     if kind.startswith("int"):
         if "None" in kind and lowered in ("none", "null", "auto", ""):
             return None
         try:
             return int(value)
         except ValueError:
-            raise PlanError(f"Plan is invalid:\n  - {key}={value!r}: must be an int") from None
+            raise PlanError.of(f"{key}={value!r}: must be an int") from None
     if "bool" in kind:
         if lowered in ("none", "null", "auto") and "None" in kind:
             return None
@@ -299,112 +310,10 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise PlanError(f"Plan is invalid:\n  - {key}={value!r}: must be true or false")
+        raise PlanError.of(f"{key}={value!r}: must be true or false")
     return value
-
-
-def _check_pp(plan: Plan) -> list[str]:
-    problems = []
-    v, m = plan.pp_virtual_stages, plan.microbatches
-    if plan.pp_schedule == "interleaved_1f1b":
-        if plan.pp > 1 and v < 2:
-            problems.append(
-                f"pp_virtual_stages={v}: interleaved_1f1b runs several stages per rank; fix: pp_virtual_stages=2 "
-                f"or more, or pp_schedule='1f1b'"
-            )
-        if plan.pp > 1 and m < plan.pp:
-            problems.append(
-                f"pp_microbatches={m}: interleaved 1F1B needs at least pp={plan.pp} microbatches; fix: "
-                f"pp_microbatches={plan.pp} or more"
-            )
-    elif v != 1:
-        problems.append(
-            f"pp_virtual_stages={v} with pp_schedule={plan.pp_schedule!r}: only interleaved_1f1b runs several "
-            f"stages per rank; fix: pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'"
-        )
-    if plan.pp_split and len(plan.pp_split) != plan.pp * v - 1:
-        problems.append(
-            f"pp_split={list(plan.pp_split)}: {plan.pp * v} stages need {plan.pp * v - 1} split points (the first "
-            f"layer of every stage after the first)"
-        )
-    return problems
-
-
-def _check_cp(plan: Plan) -> list[str]:
-    problems = []
-    if plan.cp_attention == "usp":
-        if plan.cp > 1 and (plan.cp_ulysses < 2 or plan.cp_ulysses >= plan.cp or plan.cp % plan.cp_ulysses):
-            divisors = [d for d in range(2, plan.cp) if plan.cp % d == 0]
-            problems.append(
-                f"cp_ulysses={plan.cp_ulysses}: USP runs Ulysses over cp_ulysses ranks and a ring over "
-                f"cp/cp_ulysses, so cp_ulysses must be a proper divisor of cp={plan.cp} above 1; fix: use one of "
-                f"{divisors or 'none (use cp_attention=ulysses or zigzag)'}"
-            )
-    elif plan.cp_ulysses != 1:
-        problems.append(
-            f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' splits cp into Ulysses x ring; fix: set "
-            f"cp_ulysses=1 or cp_attention='usp'"
-        )
-    return problems
-
-
-def _check_model(plan: Plan, config: Any) -> list[str]:
-    problems = []
-    need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
-    missing = [n for n in need if getattr(config, n, None) is None]
-    if missing:
-        return [f"model config {type(config).__name__} lacks {missing}: meshkit supports Llama-family "
-                f"decoder configs (Llama, Qwen2/3, Mistral); fix: pass such a model"]
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    tp = plan.tp
-    if tp > 1:
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                            ("intermediate_size", config.intermediate_size)):
-            if value % tp:
-                divisors = [d for d in range(1, value + 1) if value % d == 0]
-                problems.append(
-                    f"tp={tp}: tensor parallelism splits {name}={value} across ranks, and {tp} does not divide "
-                    f"it; fix: use a tp in {divisors}"
-                )
-        if config.vocab_size % tp:
-            problems.append(
-                f"tp={tp}: the vocab-parallel embedding and LM head split vocab_size={config.vocab_size}, and {tp} does "
-                f"not divide it; fix: pad the vocabulary to {math.ceil(config.vocab_size / tp) * tp}"
-            )
-    stages = plan.pp * plan.pp_virtual_stages
-    if stages > 1:
-        if config.num_hidden_layers + 2 < stages:
-            problems.append(
-                f"pp={plan.pp} x pp_virtual_stages={plan.pp_virtual_stages}: {stages} pipeline stages need at least "
-                f"{stages - 2} decoder layers (embedding and head count as one each); the model has "
-                f"{config.num_hidden_layers}; fix: fewer stages"
-            )
-    from meshkit.models.moe import moe_spec
-
-    spec = moe_spec(config)
-    experts = spec.num_experts if spec is not None else None
-    if plan.ep > 1 and experts and experts % plan.ep:
-        problems.append(
-            f"ep={plan.ep}: each expert-parallel rank holds num_experts/ep experts, and {plan.ep} does not divide "
-            f"num_experts={experts}; fix: ep in {[d for d in range(1, experts + 1) if experts % d == 0]}"
-        )
-    degree = plan.ulysses_degree
-    if plan.cp > 1 and degree > 1 and (heads // tp) % degree:
-        problems.append(
-            f"cp_attention={plan.cp_attention!r}: Ulysses spreads the {heads // tp} query heads each tp rank holds "
-            f"over {degree} ranks, and {degree} does not divide them; fix: use cp_attention='zigzag' or 'ring', or "
-            f"a Ulysses degree that divides {heads // tp}"
-        )
-    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
-    if dropout > 0:
-        problems.append(
-            f"attention_dropout={dropout}: dropout makes sharded and single-device runs differ and is not "
-            "supported; fix: set config.attention_dropout=0.0"
-        )
-    return problems
 
 
 def _raise(problems: Sequence[str]) -> None:
     if problems:
-        raise PlanError("Plan is invalid:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise PlanError.of(*problems)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import meshkit
-from meshkit import checkpoint
+from meshkit.state import checkpoint
 from meshkit.testing.reference import BatchSpec, ModelSpec
 
 TOL = 1e-5

@@ -123,10 +123,10 @@ def _estimated_activations(config, *, batch: int, seq: int, tp: int, ac: str, dt
 
 def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -> int:
     """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss."""
-    from meshkit import loss as loss_lib
     from meshkit.activation_checkpoint import apply_activation_checkpointing
     from meshkit.models import llama
     from meshkit.models.stage import CausalLMStage
+    from meshkit.step import loss as loss_lib
 
     torch.manual_seed(0)
     model = _model(config).to(dtype)
@@ -164,9 +164,9 @@ def test_activations_match_saved_tensors(name: str, ac: str, dtype: str) -> None
 def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> dict:
     """One rank: model state after a step, live activations at the loss, bytes of a counted step."""
     import meshkit
-    from meshkit import loss as loss_lib
     from meshkit.comm_counter import CommCounter
     from meshkit.mesh import axis
+    from meshkit.step import loss as loss_lib
 
     config = _config(model_kw)
     plan = Plan.from_string(plan_text)

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 import meshkit
-from meshkit import hf_io
 from meshkit.models.moe import to_hf_state_dict
+from meshkit.state import hf_checkpoint as hf_io
 from meshkit.testing.reference import BatchSpec, ModelSpec
 
 LOSS_TOL = 1e-5

@@ -15,12 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from meshkit import loss as loss_lib
 from meshkit.activation_checkpoint import CheckpointedBlock
 from meshkit.models.stage import CausalLMStage
 from meshkit.pipeline.runtime import TensorMeta, run_schedule
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
+from meshkit.step import loss as loss_lib
 from meshkit.testing import RankFailure
 from meshkit.testing.reference import ModelSpec
 

@@ -2,9 +2,13 @@
 
 HF attention modules compute q/k/v, apply rotary embeddings and then call whatever function
 `config._attn_implementation` names in transformers' `AttentionInterface`. meshkit registers one
-function there. Each attention module carries a `ContextParallelAttention` saying how its sequence
-is split (ring, zig-zag ring, Ulysses, USP, or not at all); the packed-sequence document ids of the
-local shard arrive as the `meshkit_doc_ids` keyword, which HF passes through blocks untouched.
+function there. Everything it needs arrives as keywords HF passes through its blocks untouched, set
+by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
+
+- `meshkit_context_parallel`: a `ContextParallelAttention`, how the sequence is split (ring,
+  zig-zag ring, Ulysses, USP); absent when cp = 1;
+- `meshkit_doc_ids`: the document ids of the local shard of packed sequences; absent for one
+  document per row.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from meshkit.context_parallel.ulysses import ulysses_attention
 from meshkit.context_parallel.usp import usp_attention
 
 ATTENTION_NAME = "meshkit"
+CONTEXT_PARALLEL_KWARG = "meshkit_context_parallel"
 DOC_IDS_KWARG = "meshkit_doc_ids"
 
 
@@ -57,7 +62,7 @@ def meshkit_attention(module, query, key, value, attention_mask, dropout: float 
         raise ValueError(f"attention dropout={dropout} is not supported by meshkit; set attention_dropout=0.0")
     if attention_mask is not None:
         raise ValueError("meshkit attention takes no attention_mask; pass packed sequences as position_ids")
-    split = getattr(module, "meshkit_context_parallel", None) or ContextParallelAttention()
+    split = kwargs.get(CONTEXT_PARALLEL_KWARG) or ContextParallelAttention()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out_BHSD = split(query, key, value, scale, kwargs.get(DOC_IDS_KWARG))
     return out_BHSD.transpose(1, 2).contiguous(), None
@@ -69,10 +74,3 @@ def register() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, meshkit_attention)
     return ATTENTION_NAME
-
-
-def install(model) -> None:
-    """Route every attention layer of `model` through meshkit's registered attention function."""
-    from meshkit.models import llama
-
-    llama.use_attention(model, register())

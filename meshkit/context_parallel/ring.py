@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import acc_dtype, attention_backward, attention_forward, default_scale
 from meshkit.context_parallel.sharding import LAYOUTS, Layout
 
@@ -119,15 +120,6 @@ def _half(x: torch.Tensor, half: int | None, dim: int) -> torch.Tensor:
         return x
     n = x.shape[dim] // 2
     return x.narrow(dim, half * n, n)
-
-
-def as_group(group: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The ProcessGroup of a 1D mesh or group (None: the default group)."""
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"context-parallel attention needs a 1D mesh for its axis, got {group.ndim}D")
-        return group.get_group()
-    return group if group is not None else dist.group.WORLD
 
 
 class _Ring:

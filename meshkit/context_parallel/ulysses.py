@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit._compat import all_to_all_autograd
+from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import attention_block
-from meshkit.context_parallel.ring import as_group
 
 
 def kv_replication(heads: int, kv_heads: int, degree: int) -> int:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkit.context_parallel.ring import as_group, ring_attention
+from meshkit.context_parallel.group import as_group
+from meshkit.context_parallel.ring import ring_attention
 from meshkit.context_parallel.sharding import Layout
 from meshkit.context_parallel.ulysses import gather_seq, heads_to_seq, scatter_heads
 

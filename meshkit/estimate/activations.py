@@ -33,13 +33,12 @@ import torch
 import transformers
 from torch import nn
 
-from meshkit import loss as loss_lib
 from meshkit._compat import fake_tensor_mode, storage_key
-from meshkit.context_parallel import hf as cp_hf
 from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models import llama
 from meshkit.models.moe import moe_spec
+from meshkit.step import loss as loss_lib
 
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",
                "down_proj", "residual")
@@ -110,7 +109,7 @@ def build_block(config_json: str, tp: int, vocab: int | None, dtype: str) -> tup
 def pin_attention(model: nn.Module) -> None:
     """Route attention exactly as `parallelize` does (meshkit's registered causal attention, which
     is SDPA when cp = 1), so the trace saves what a meshkit run saves."""
-    cp_hf.install(model)
+    llama.use_meshkit_attention(model)
 
 
 def _block_parts(block: nn.Module) -> dict[str, str]:

@@ -2,20 +2,23 @@
 
 `MoE` is the layer; `apply_expert_parallel` shards its experts over an expert-parallel group;
 `update_expert_biases` runs DeepSeek-V3's bias step; `aux_loss_value`, `pop_router_stats` and
-`hf_load_balancing_loss` expose the balancing losses. See docs/expert_parallel.md.
+`hf_load_balancing_loss` expose the balancing losses (`balancing.py`). See docs/expert_parallel.md.
 """
 
+from meshkit.expert_parallel.balancing import (
+    RouterStats,
+    hf_load_balancing_loss,
+    router_z_loss,
+    switch_aux_loss,
+)
 from meshkit.expert_parallel.grouped_gemm import GroupedExperts, SwiGLU, from_hf_layout, to_hf_layout
 from meshkit.expert_parallel.moe import (
     MoE,
-    RouterStats,
     apply_expert_parallel,
     aux_loss_value,
-    hf_load_balancing_loss,
+    expert_split_problem,
     moe_layers,
     pop_router_stats,
-    router_z_loss,
-    switch_aux_loss,
     update_expert_biases,
 )
 
@@ -26,6 +29,7 @@ __all__ = [
     "SwiGLU",
     "apply_expert_parallel",
     "aux_loss_value",
+    "expert_split_problem",
     "from_hf_layout",
     "hf_load_balancing_loss",
     "moe_layers",

@@ -14,7 +14,7 @@ Three decisions shape this file:
   Backward must visit a layer's forwards in forward order, as a plain loop, gradient accumulation and
   every pipeline schedule do.
 - **Auxiliary losses train the router through the layer's output**, not through the model's loss: a
-  `_AttachLoss` identity adds d(aux)/d(.) = `aux_loss_scale` in backward, so they work on any pipeline
+  `AttachLoss` identity (balancing.py) adds d(aux)/d(.) = `aux_loss_scale` in backward, so they work on any pipeline
   stage. The detached value is kept in `aux_loss` for logging; `pop_router_stats` +
   `hf_load_balancing_loss` reproduce HF's pooled-over-layers convention instead.
 - **Balancing statistics are global.** Counts are all-reduced over `load_group` (the ranks that split
@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshkit._compat import in_backward
+from meshkit.expert_parallel.balancing import AttachLoss, RouterStats, router_z_loss, switch_aux_loss
 from meshkit.expert_parallel.dispatch import (
     DispatchPlan,
     capacity_mask,
@@ -47,63 +48,6 @@ from meshkit.expert_parallel.dispatch import (
     plan_dispatch,
 )
 from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU, _local
-
-
-@dataclass
-class RouterStats:
-    """One forward's balancing statistics; sums over `load_group` give the global batch's.
-
-    `prob_sum_E` and `lse_sq_sum` are this rank's sums (with graph); `counts_E` (routed assignments,
-    before capacity drops) and `num_tokens` are already summed over the load group (no graph).
-    """
-
-    prob_sum_E: Tensor
-    lse_sq_sum: Tensor
-    counts_E: Tensor
-    num_tokens: Tensor
-    top_k: int
-
-
-def switch_aux_loss(stats: RouterStats) -> Tensor:
-    """Switch load-balancing loss, Megatron's scale: E/(K T²) Σ_e count_e · Σ_t p_te = 1 when balanced.
-
-    HF's `load_balancing_loss_func` for one layer is K times this (E Σ_e f_e P_e with f summing to K).
-    """
-    E = stats.prob_sum_E.numel()
-    T = stats.num_tokens.clamp(min=1)
-    return (stats.counts_E * stats.prob_sum_E).sum() * (E / (stats.top_k * T * T))
-
-
-def router_z_loss(stats: RouterStats) -> Tensor:
-    """ST-MoE z-loss: the mean over the global batch of logsumexp(logits)²."""
-    return stats.lse_sq_sum / stats.num_tokens.clamp(min=1)
-
-
-def hf_load_balancing_loss(stats: list[RouterStats]) -> Tensor:
-    """HF's `load_balancing_loss_func` (Mixtral, Qwen3-MoE) over these layers, before its coefficient.
-
-    HF pools counts and probabilities over all layers before the product, E Σ_e f̄_e P̄_e, which no
-    per-layer loss reproduces; this is that pooled value (this rank's share, as everywhere here).
-    """
-    E = stats[0].prob_sum_E.numel()
-    rows = sum(s.num_tokens for s in stats).clamp(min=1)
-    counts_E = sum(s.counts_E for s in stats)
-    prob_sum_E = sum(s.prob_sum_E for s in stats)
-    return (counts_E * prob_sum_E).sum() * (E / (rows * rows))
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `out`; in backward, `loss` receives gradient `scale` as if added to the model loss."""
-
-    @staticmethod
-    def forward(ctx, out: Tensor, loss: Tensor, scale: float) -> Tensor:
-        ctx.meta = (loss.shape, loss.dtype, loss.device, scale)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        shape, dtype, device, scale = ctx.meta
-        return grad, torch.full(shape, scale, dtype=dtype, device=device), None
 
 
 @dataclass(eq=False)
@@ -351,7 +295,7 @@ class MoE(nn.Module):
             self.router_stats = stats if self.keep_router_stats else None
             self.aux_loss = None if aux is None else aux.detach()
         if aux is not None:
-            out_TH = _AttachLoss.apply(out_TH, aux, self.aux_loss_scale)
+            out_TH = AttachLoss.apply(out_TH, aux, self.aux_loss_scale)
         return out_TH
 
     @torch.no_grad()
@@ -416,20 +360,40 @@ def _group_of(ep: ProcessGroup | DeviceMesh) -> tuple[ProcessGroup, DeviceMesh |
     return ep, None
 
 
+def expert_split_problem(ep: int, num_experts: int) -> str | None:
+    """Why `ep` ranks cannot each hold num_experts/ep whole experts, with the fix, or None.
+
+    The one statement of the rule: the Plan (from the config), `parallelize` (from the model's
+    layers), the estimator and `apply_expert_parallel` all ask it.
+    """
+    if num_experts % ep == 0:
+        return None
+    return (f"ep={ep}: each expert-parallel rank holds num_experts/ep experts, and {ep} does not divide "
+            f"num_experts={num_experts}; fix: ep in {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+
+
 def apply_expert_parallel(
-    moe: MoE, ep: ProcessGroup | DeviceMesh, *, load_group: ProcessGroup | None = None
+    moe: MoE, ep: ProcessGroup | DeviceMesh | None, *, load_group: ProcessGroup | None = None,
+    aux_loss_scale: float = 1.0,
 ) -> MoE:
     """Keep this rank's contiguous block of E/ep experts and route over `ep`, in place.
 
-    `ep` is a process group or 1D mesh; with a mesh the expert weights become DTensors Shard(0) on it.
-    `load_group` is where balancing statistics are summed; it defaults to the ep group, but must be
-    every rank that splits the batch (and holds a copy of `expert_bias`), e.g. all data x context
-    ranks, or biases drift apart and the aux loss is not the global batch's.
+    `ep` is a process group or 1D mesh; with a mesh the expert weights become DTensors Shard(0) on it;
+    None keeps every expert (ep = 1) and only sets the groups. `load_group` is where balancing
+    statistics are summed; it defaults to the ep group, but must be every rank that splits the batch
+    (and holds a copy of `expert_bias`), e.g. all data x context ranks, or biases drift apart and the
+    aux loss is not the global batch's. `aux_loss_scale` multiplies the gradient of the attached
+    auxiliary losses (1/microbatches: each microbatch's aux loss is a whole batch's worth).
     """
+    moe.aux_loss_scale = aux_loss_scale
+    if ep is None:
+        moe.load_group = load_group
+        return moe
     group, mesh = _group_of(ep)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if moe.num_experts % size:
-        raise ValueError(f"num_experts={moe.num_experts} is not divisible by ep={size}: choose ep dividing it")
+    problem = expert_split_problem(size, moe.num_experts)
+    if problem:
+        raise ValueError(f"apply_expert_parallel: {problem}")
     if moe.num_local_experts != moe.num_experts:
         raise ValueError("apply_expert_parallel: this MoE's experts are already sharded")
     local = moe.num_experts // size

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshkit.context_parallel import hf as cp_hf
 from meshkit.expert_parallel import MoE
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
@@ -175,9 +176,9 @@ def use_attention(model: nn.Module, implementation: str) -> None:
             cfg._attn_implementation = implementation
 
 
-def attention_modules(parts: CausalLMParts) -> list[nn.Module]:
-    """The attention module of every block (what transformers hands to the attention function)."""
-    return [block.self_attn for block in parts.blocks]
+def use_meshkit_attention(model: nn.Module) -> None:
+    """Route every attention layer of `model` through meshkit's registered attention function."""
+    use_attention(model, cp_hf.register())
 
 
 def run_block(block: nn.Module, hidden, position_embeddings, position_ids, **attention_kwargs):

@@ -35,13 +35,22 @@ import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshkit.expert_parallel import MoE, hf_load_balancing_loss, moe_layers, pop_router_stats
+from meshkit.expert_parallel import (
+    MoE,
+    expert_split_problem,
+    hf_load_balancing_loss,
+    moe_layers,
+    pop_router_stats,
+)
+
+if TYPE_CHECKING:
+    from meshkit.plan import Plan
 
 __all__ = [
     "MoESpec",
@@ -50,8 +59,9 @@ __all__ = [
     "init_moe_buffers",
     "is_moe_model",
     "llama_moe",
-        "moe_layers",
+    "moe_layers",
     "moe_spec",
+    "plan_problems",
     "to_hf_state_dict",
 ]
 
@@ -103,6 +113,30 @@ def is_moe_model(model: nn.Module) -> bool:
     if moe_spec(getattr(model, "config", None)) is not None:
         return True
     return any(isinstance(m, MoE) or type(m).__name__ in _HF_BLOCKS for m in model.modules())
+
+
+def plan_problems(plan: Plan, moes: list[MoE], config: Any) -> list[str]:
+    """MoE rules the config alone cannot show (the model's actual layers), each with its fix."""
+    problems = []
+    if moes and plan.pp > 1 and getattr(config, "output_router_logits", False):
+        problems.append(
+            f"pp={plan.pp} with output_router_logits=true: HF's auxiliary loss pools router statistics over all "
+            f"layers, which pipelining puts on different ranks; fix: config.output_router_logits=false (and, "
+            f"for balancing, a per-layer aux_loss_coef or bias_update_rate on the MoE layers)"
+        )
+    if plan.ep > 1 and not moes:
+        problems.append(
+            f"ep={plan.ep}: the model has no meshkit MoE layers to shard; fix: ep=1, or swap its MLPs for "
+            f"meshkit.MoE layers (HF Mixtral / Qwen3-MoE blocks are converted automatically)"
+        )
+    if moes and expert_split_problem(plan.ep, moes[0].num_experts):
+        problems.append(expert_split_problem(plan.ep, moes[0].num_experts))
+    if moes and plan.tp > 1 and not plan.sequence_parallel:
+        problems.append(
+            f"tp={plan.tp} with MoE layers needs sequence_parallel=true: TP ranks route their own sequence shard "
+            f"(experts are never split by TP); fix: sequence_parallel=true"
+        )
+    return problems
 
 
 # ------------------------------------------------------------------------------------ HF models

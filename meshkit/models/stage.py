@@ -8,10 +8,12 @@ copies, so the HF model object still names every parameter and `model.state_dict
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from meshkit.context_parallel.hf import DOC_IDS_KWARG
+from meshkit.context_parallel.hf import CONTEXT_PARALLEL_KWARG, DOC_IDS_KWARG, ContextParallelAttention
 from meshkit.models import llama
 
 
@@ -22,6 +24,8 @@ class CausalLMStage(nn.Module):
     stage, hidden states otherwise. `position_ids` are the global positions of the tokens this rank
     holds, so rotary embeddings stay correct when the sequence is sharded; `doc_ids` mark the
     documents of packed sequences (block-diagonal causal attention), None for one document per row.
+    `context_parallel` says how attention is split over the cp ranks (None: not split); the stage
+    hands it and the document ids to meshkit's attention function as keywords of every block call.
     """
 
     def __init__(
@@ -31,6 +35,7 @@ class CausalLMStage(nn.Module):
         embed: nn.Module | None = None,
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
+        context_parallel: ContextParallelAttention | None = None,
     ):
         super().__init__()
         self.embed = embed
@@ -38,12 +43,15 @@ class CausalLMStage(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = rotary
+        self.context_parallel = context_parallel
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids or hidden states in; logits (last stage) or hidden states out."""
         hidden = self.embed(inputs) if self.embed is not None else inputs
         position_embeddings = self.rotary(hidden, position_ids)
         extra = {DOC_IDS_KWARG: doc_ids} if doc_ids is not None else {}
+        if self.context_parallel is not None:
+            extra[CONTEXT_PARALLEL_KWARG] = self.context_parallel
         for block in self.layers.values():
             hidden = llama.run_block(block, hidden, position_embeddings, position_ids, **extra)
         if self.norm is not None:
@@ -51,3 +59,26 @@ class CausalLMStage(nn.Module):
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
         return hidden
+
+
+def build_stages(
+    parts: llama.CausalLMParts,
+    blocks: Sequence[nn.Module],
+    ranges: Sequence[range],
+    stage_ids: Sequence[int],
+    context_parallel: ContextParallelAttention | None = None,
+) -> dict[int, CausalLMStage]:
+    """The `CausalLMStage` modules for `stage_ids` of a split into `ranges` (`pipeline.split`);
+    `blocks` are the (possibly wrapped) decoder blocks."""
+    last = len(ranges) - 1
+    return {
+        s: CausalLMStage(
+            {i: blocks[i] for i in ranges[s]},
+            parts.rotary,
+            embed=parts.embed if s == 0 else None,
+            norm=parts.norm if s == last else None,
+            lm_head=parts.lm_head if s == last else None,
+            context_parallel=context_parallel,
+        )
+        for s in stage_ids
+    }

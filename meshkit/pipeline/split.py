@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from torch import nn
 
 from meshkit.models import llama
-from meshkit.models.stage import CausalLMStage
 
 
 def split_layers(num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None) -> list[range]:
@@ -59,26 +58,6 @@ def split_layers(num_layers: int, num_stages: int, boundaries: Sequence[int] | N
 def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
     """Global stage indices held by `pp_rank`, in execution order."""
     return [pp_rank + pp * v for v in range(virtual)]
-
-
-def build_stages(
-    parts: llama.CausalLMParts,
-    blocks: Sequence[nn.Module],
-    ranges: Sequence[range],
-    stage_ids: Sequence[int],
-) -> dict[int, CausalLMStage]:
-    """The `CausalLMStage` modules for `stage_ids`; `blocks` are the (possibly wrapped) decoder blocks."""
-    last = len(ranges) - 1
-    return {
-        s: CausalLMStage(
-            {i: blocks[i] for i in ranges[s]},
-            parts.rotary,
-            embed=parts.embed if s == 0 else None,
-            norm=parts.norm if s == last else None,
-            lm_head=parts.lm_head if s == last else None,
-        )
-        for s in stage_ids
-    }
 
 
 def modules_held(parts: llama.CausalLMParts, ranges: Sequence[range], stage_ids: Sequence[int]) -> list[nn.Module]:

@@ -16,6 +16,7 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 import meshkit
+from meshkit.expert_parallel import MoE
 
 MODEL_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -69,8 +70,6 @@ class ModelSpec:
         with torch.device(device):
             model = model_cls(self.config())
             if self.experts and self.kind not in HF_MOE_KINDS:
-                from meshkit.expert_parallel import MoE
-
                 for block in model.model.layers:
                     block.mlp = MoE(self.heads * self.head_dim, self.intermediate, self.experts, self.top_k,
                                     shared_intermediate_size=self.shared_expert,

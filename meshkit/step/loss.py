@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 
@@ -38,3 +39,16 @@ def summed_cross_entropy(logits: torch.Tensor, shifted: torch.Tensor) -> torch.T
     return F.cross_entropy(
         logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def global_loss(share: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """Every rank's share of the loss (each already divided by the global denominator) summed over
+    `groups` (size-1 groups skipped): detached, fp32, identical on every rank."""
+    total = share.detach()
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    total = total.float().clone()
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total

@@ -1,0 +1,159 @@
+"""`parallelize`: apply a Plan to an unmodified HF model, in the one order that composes.
+
+Order: validate (every rank, before any collective) -> mesh -> pipeline split (other ranks' layers
+go to the meta device before anything touches them) -> TP/SP -> EP -> CP attention -> activation
+checkpointing -> torch.compile per block -> FSDP2 per unit (experts, embedding, each block,
+[norm, lm_head], stage root) over dp_shard x cp. TP comes before FSDP because FSDP must shard the
+DTensors TP produced (2D). Under pipelining FSDP keeps gathered weights through the step
+(reshard_after_forward off) so microbatches do not re-gather them. AC wraps the block FSDP will
+wrap, so FSDP's all-gather hooks stay outside the recomputed region; compile sees a block with its
+TP collectives and checkpoint boundaries but not FSDP's hooks.
+
+The module is `compose`, not `parallelize`: `meshkit.parallelize` is the function, and a module of
+the same name beside it would be shadowed by it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshkit import data_parallel
+from meshkit import mesh as mesh_lib
+from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
+from meshkit.context_parallel.hf import ContextParallelAttention
+from meshkit.expert_parallel import MoE, apply_expert_parallel
+from meshkit.models import llama
+from meshkit.models import moe as moe_models
+from meshkit.models.stage import build_stages
+from meshkit.parallel_model import ParallelModel, Sharded
+from meshkit.pipeline import split as pipeline_split
+from meshkit.plan import Plan, PlanError
+from meshkit.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
+    """Shard and wrap `model` in place according to `plan`; return the handle that trains it.
+
+    `model` is an HF Llama-family `*ForCausalLM`, on CPU, on its GPU, or on the meta device (then call
+    `ParallelModel.init_weights` or `load_full_state_dict`: each rank materialises only its shards).
+    Every invalid input raises ValueError on every rank before the first collective.
+    """
+    plan, mesh = _validate(model, plan, mesh)
+    llama.use_meshkit_attention(model)
+    split = _apply_pipeline_split(model, plan, mesh)
+    parts, held = split.parts, split.held_blocks
+    if plan.tp > 1:
+        apply_tensor_parallel(parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
+                              loss_parallel=plan.loss_parallel)
+    moes = llama.moe_modules(parts)
+    held_moes = [parts.blocks[i].mlp for i in held if llama.has_moe(parts.blocks[i])]
+    expert_fsdp_mesh = _apply_expert_parallel(plan, mesh, moes) if moes else None
+    context_parallel = _context_parallel_attention(plan, mesh) if plan.cp > 1 else None
+    blocks = list(parts.blocks)
+    for i, block in zip(held, _apply_activation_checkpointing(plan, [blocks[i] for i in held])):
+        blocks[i] = block
+        if plan.compile:
+            block.compile()
+    stages = build_stages(parts, blocks, split.ranges, split.stage_ids, context_parallel)
+    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
+    if use_fsdp:
+        data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
+                                           tied=parts.tied, param_dtype=plan.param_dtype,
+                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard)
+    tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
+    return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
+                                                    reduce_tp_grads=plan.tp > 1 and not use_fsdp,
+                                                    tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,
+                                                    tied_group=split.tied_group))
+
+
+def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Plan, DeviceMesh]:
+    """Check plan, model and mesh on every rank before any collective; then build the mesh if needed.
+
+    HF sparse MoE blocks are converted to meshkit's `MoE` first (same Parameter objects), so the
+    MoE rules see the layers that will run.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
+    llama.check_supported(model)
+    if moe_models.is_moe_model(model):
+        moe_models.convert_moe_blocks(model)
+    if mesh is None:
+        mesh_lib.require_launcher(plan)
+    world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
+    plan = plan.validate(model.config, world)
+    problems = moe_models.plan_problems(plan, llama.moe_modules(llama.parts(model)), model.config)
+    if problems:
+        raise PlanError.of(*problems)
+    if mesh is None:
+        return plan, mesh_lib.init_mesh(plan)
+    mesh_lib.check_mesh(mesh, plan)
+    return plan, mesh
+
+
+class _PipelineSplit(NamedTuple):
+    parts: llama.CausalLMParts
+    ranges: list[range]  # every stage's decoder blocks
+    stage_ids: list[int]  # the stages this rank holds
+    held_blocks: list[int]  # the decoder blocks of those stages
+    tied_aliases: dict[str, str]
+    tied_group: dist.ProcessGroup | None
+
+
+def _apply_pipeline_split(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> _PipelineSplit:
+    """Cut the model into stages; other ranks' layers go to meta, this rank's to its device.
+
+    A tied embedding under pipelining is split first: the last stage gets its own copy as the LM
+    head, answering to the embedding's name, and the first/last-stage pair sums the two gradients.
+    """
+    parts = llama.parts(model)
+    num_stages = plan.pp * plan.pp_virtual_stages
+    ranges = pipeline_split.split_layers(len(parts.blocks), num_stages, plan.pp_split or None)
+    stage_ids = (list(range(num_stages)) if plan.pp == 1 else
+                 pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), plan.pp, plan.pp_virtual_stages))
+    aliases, group = {}, None
+    if plan.pp > 1 and parts.tied:  # embedding and head on different ranks: each holds a copy
+        aliases = llama.untie_for_pipeline(model, keep_copy=num_stages - 1 in stage_ids)
+        group = mesh_lib.first_last_stage_group(mesh)
+        parts = llama.parts(model)
+    for module in pipeline_split.modules_not_held(parts, ranges, stage_ids):
+        module.to("meta")  # another pipeline rank's layers: keep the names, free the memory
+    device = mesh_lib.mesh_device(mesh)
+    if not all(p.is_meta for p in model.parameters()) and device.type != "cpu":
+        for module in pipeline_split.modules_held(parts, ranges, stage_ids):
+            module.to(device)
+    held = sorted({i for s in stage_ids for i in ranges[s]})
+    return _PipelineSplit(parts, ranges, stage_ids, held, aliases, group)
+
+
+def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> DeviceMesh:
+    """Shard experts over ep (folded into dp_shard x cp); return the mesh FSDP shards experts over.
+
+    Balancing statistics are summed over every rank that splits the batch's tokens (`dp_cp_tp`), and
+    each microbatch's aux loss is a whole batch's worth, so the step's is their mean.
+    """
+    ep_mesh, outer = mesh_lib.expert_axes(mesh, plan.ep)
+    load_group = mesh_lib.axis(mesh, "dp_cp_tp").get_group()
+    for moe in moes:
+        apply_expert_parallel(moe, ep_mesh if plan.ep > 1 else None, load_group=load_group,
+                              aux_loss_scale=1.0 / plan.microbatches)
+    return mesh_lib.expert_fsdp_mesh(mesh, outer)
+
+
+def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
+    """How every attention layer splits its sequence over the cp axis (USP: a Ulysses x ring grid)."""
+    if plan.cp_attention == "usp":
+        ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
+        return ContextParallelAttention("usp", plan.cp_layout, ulysses_group=ulysses_group, ring_group=ring_group)
+    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"])
+
+
+def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Checkpoint each block as the plan says; MoE blocks fully where "selective" cannot replay them
+    (tp > 1 or ep > 1: recompute replays the stored routing without the forward's collectives)."""
+    full_only = llama.has_moe if moe_blocks_full(plan.tp, plan.ep) else None
+    return apply_activation_checkpointing(blocks, plan.activation_checkpointing, full_only=full_only)

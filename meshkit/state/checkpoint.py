@@ -1,0 +1,319 @@
+"""Training checkpoints that move between plans: `torch.distributed.checkpoint` keyed by HF names.
+
+Why not `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`: under pipelining
+the HF model holds meta tensors for other ranks' layers, and the module paths of meshkit's stage
+wrappers (checkpointed blocks, compiled blocks, stage modules) depend on the plan. The one name that
+survives every plan is the HF parameter name, so every item is keyed by it:
+
+- `model.<hf name>`: each parameter this rank holds (`pm.named_parameters()`) and each persistent
+  buffer its model parts own (DeepSeek-V3's `expert_bias`), as the DTensor itself. DCP records its
+  global shape and this rank's chunk, so a load under any other plan and world size reads exactly the
+  chunks the new layout needs (resharding). Plain tensors are saved as replicated.
+- `optim.state.<hf name>.<key>`: the optimizer state of that parameter (AdamW: `exp_avg`,
+  `exp_avg_sq`, DTensors placed like their parameter, and the scalar `step`).
+- `optim.param_groups` (hyperparameters, the current `lr` included), `scheduler`, `meshkit` (step,
+  `extra`, plan, world size, format version): pickled objects written once, by rank 0.
+- `rng.rank<r>`: every rank's torch CPU (and CUDA) generator state, written by that rank.
+
+A load validates the checkpoint's metadata against the model on every rank before the first
+collective, so a wrong checkpoint raises the same ValueError everywhere instead of hanging in DCP.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from meshkit.state.names import held_buffers, is_meshkit_only, persistent_tensors
+from meshkit.step.consensus import brief
+
+if TYPE_CHECKING:
+    from meshkit.parallel_model import ParallelModel
+
+__all__ = ["FORMAT_VERSION", "is_checkpoint", "latest", "load", "save", "step_dir"]
+
+FORMAT_VERSION = 1
+MODEL = "model."
+OPTIM_STATE = "optim.state."
+OPTIM_GROUPS = "optim.param_groups"
+SCHEDULER = "scheduler"
+META = "meshkit"
+RNG = "rng.rank"
+_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *,
+         scheduler: Any = None, step: int = 0, extra: Any = None) -> None:
+    """Write a checkpoint of model, optimizer, scheduler, step, `extra` and RNG states to directory `path`.
+
+    Collective: every rank calls it. `extra` (e.g. a data-loader position) is any picklable object and
+    is saved once, from rank 0, like `step`; per-rank data positions belong in a deterministic
+    function of (step, data rank), as in the recipe's loader.
+    """
+    state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm)}
+    for name, param in _optimizer_params(pm, optimizer):
+        for key, value in optimizer.state.get(param, {}).items():
+            state[f"{OPTIM_STATE}{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:  # identical on every rank; one copy, so DCP never has to pick between ranks
+        state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if scheduler is not None:
+            state[SCHEDULER] = scheduler.state_dict()
+        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra, "plan": pm.plan.to_dict(),
+                       "world_size": _world_size(), "torch": torch.__version__}
+    state[f"{RNG}{rank}"] = _rng_state()
+    dcp.save(state, checkpoint_id=path, planner=_save_planner())
+
+
+@torch.no_grad()
+def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None) -> dict[str, Any]:
+    """Restore a checkpoint written by `save` under any plan and world size; return its step and `extra`.
+
+    Call on every rank after `parallelize` (a meta-device model is materialised here) and after the
+    optimizer and scheduler are constructed as for a fresh run. Returns `{"step", "extra",
+    "rng_restored"}`. RNG states are restored only when the world size and the plan equal the saved
+    ones (a rank's generator means nothing to a different layout). Raises ValueError on every rank,
+    before any collective, when the checkpoint does not fit the model or the optimizer.
+    """
+    metadata = _read_metadata(path)
+    entries = metadata.state_dict_metadata
+    # The small pickled items first, each rank on its own (no_dist: no collective yet).
+    small: dict[str, Any] = {k: None for k in (META, OPTIM_GROUPS, SCHEDULER) if k in entries}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist on purpose
+        dcp.load(small, checkpoint_id=path, planner=_load_planner(), no_dist=True)
+    info = small.get(META)
+    if not isinstance(info, dict) or info.get("format") != FORMAT_VERSION:
+        found = info.get("format") if isinstance(info, dict) else "none (not written by meshkit.checkpoint.save)"
+        raise ValueError(f"checkpoint {path}: format {found}; this meshkit reads format {FORMAT_VERSION}")
+    problems = _model_problems(pm, entries)
+    groups = small.get(OPTIM_GROUPS)
+    if groups is not None and len(groups) != len(optimizer.param_groups):
+        problems.append(f"the checkpoint's optimizer has {len(groups)} parameter group(s), this optimizer "
+                        f"{len(optimizer.param_groups)}; fix: build the optimizer as the saving run did")
+    if scheduler is not None and SCHEDULER not in small:
+        problems.append("a scheduler was passed but the checkpoint holds no scheduler state; fix: scheduler=None")
+    _raise(path, problems)
+
+    pm.materialise()
+    state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm) if MODEL + name in entries}
+    state.update(_optimizer_targets(path, pm, optimizer, entries))
+    same_layout = info["world_size"] == _world_size() and info["plan"] == pm.plan.to_dict()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng_key = f"{RNG}{rank}"
+    if same_layout and rng_key in entries:
+        state[rng_key] = None
+    dcp.load(state, checkpoint_id=path, planner=_load_planner())
+
+    params = dict(_optimizer_params(pm, optimizer))
+    for key, value in state.items():
+        if key.startswith(OPTIM_STATE) and not isinstance(value, torch.Tensor):
+            name, sub = key[len(OPTIM_STATE):].rsplit(".", 1)
+            optimizer.state[params[name]][sub] = value  # non-tensor state entries come back as objects
+    if groups is not None:
+        for group, saved in zip(optimizer.param_groups, groups):
+            # Hyperparameters (lr as the scheduler left it, betas, ...); not how this run implements the step.
+            group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_FLAGS})
+    if scheduler is not None:
+        scheduler.load_state_dict(small[SCHEDULER])
+    if rng_key in state:
+        _set_rng_state(state[rng_key])
+    return {"step": info["step"], "extra": info["extra"], "rng_restored": rng_key in state}
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def _model_tensors(pm: ParallelModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's parameters and persistent buffers under their HF names (tied weights once)."""
+    yield from pm.named_parameters()
+    yield from held_buffers(pm.model, pm.model_parts)
+
+
+def _model_problems(pm: ParallelModel, entries: dict[str, Any]) -> list[str]:
+    # Every rank computes the same table of global shapes and reaches the same verdict, no communication.
+    expected = {n: tuple(t.shape) for n, t in persistent_tensors(pm.model).items() if n not in pm.tied_aliases}
+    saved = {k[len(MODEL):]: v for k, v in entries.items() if k.startswith(MODEL)}
+    # meshkit's balancing buffers may be absent from a checkpoint of a model trained without them.
+    missing = sorted(n for n in set(expected) - set(saved) if not is_meshkit_only(n))
+    unexpected = sorted(set(saved) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model tensor(s) missing from the checkpoint: {brief(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} checkpoint tensor(s) the model does not have: {brief(unexpected)}")
+    wrong = [f"{n}: checkpoint {_shape(saved[n])}, model {expected[n]}" for n in sorted(set(saved) & set(expected))
+             if _shape(saved[n]) != expected[n]]
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es): {brief(wrong)}")
+    # Optimizer state shaped unlike its (matching) parameter: a checkpoint written by something else.
+    odd = []
+    for key, entry in entries.items():
+        if key.startswith(OPTIM_STATE) and isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0:
+            name = key[len(OPTIM_STATE):].rsplit(".", 1)[0]
+            if name in expected and _shape(saved.get(name)) == expected[name] and tuple(entry.size) != expected[name]:
+                odd.append(f"{key}: {tuple(entry.size)}, parameter {expected[name]}")
+    if odd:
+        problems.append(f"{len(odd)} optimizer state(s) shaped unlike their parameter: {brief(sorted(odd))}")
+    if problems:
+        problems.append("fix: load a checkpoint saved from a model with this config")
+    return problems
+
+
+# -------------------------------------------------------------------------------------- optimizer
+
+
+def _optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, nn.Parameter]]:
+    """(HF name, parameter) for every parameter the optimizer holds; each must be one of pm's."""
+    names = {id(p): n for n, p in pm.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not one of "
+                                 "this ParallelModel's; fix: build it from pm.parameters()")
+            yield names[id(param)], param
+
+
+def _optimizer_targets(path: str, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                       entries: dict[str, Any]) -> dict[str, Any]:
+    """Fresh optimizer state placed like the NEW plan's parameters, for DCP to fill in place.
+
+    The state is created by the optimizer itself (one step with zero gradients and lr 0, which leaves
+    every parameter bit-identical), so whatever it keeps (amsgrad, fused or capturable step tensors)
+    has the dtype, device and placement this optimizer expects.
+    """
+    params = list(_optimizer_params(pm, optimizer))
+    saved: dict[str, set[str]] = {}
+    for key in entries:
+        if key.startswith(OPTIM_STATE):
+            name, sub = key[len(OPTIM_STATE):].rsplit(".", 1)
+            saved.setdefault(name, set()).add(sub)
+    fresh = [p for name, p in params if name in saved and not optimizer.state.get(p)]
+    if fresh:
+        _create_state(optimizer, fresh)
+    targets: dict[str, Any] = {}
+    problems = []
+    for name, param in params:
+        have = set(optimizer.state.get(param, {})) if name in saved else set()
+        want = saved.get(name, set())
+        if have != want:
+            problems.append(f"{name}: checkpoint optimizer state {sorted(want)}, this optimizer {sorted(have)}")
+            continue
+        for sub in sorted(want):
+            value = optimizer.state[param][sub]
+            key = f"{OPTIM_STATE}{name}.{sub}"
+            if isinstance(entries[key], TensorStorageMetadata) != isinstance(value, torch.Tensor):
+                problems.append(f"{name}: optimizer state {sub} is a tensor in only one of checkpoint and optimizer")
+                continue
+            targets[key] = value.detach() if isinstance(value, torch.Tensor) else None
+    if problems:
+        # Local but identical on every rank of one optimizer type; the message says which state differs.
+        problems.append("fix: build the optimizer with the class and options of the saving run")
+    _raise(path, problems)
+    return targets
+
+
+def _create_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """Let the optimizer create its state for `params` without changing any parameter."""
+    every = [p for g in optimizer.param_groups for p in g["params"]]
+    stashed = {id(p): p.grad for p in every}
+    chosen = {id(p) for p in params}
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in every:
+            p.grad = torch.zeros_like(p) if id(p) in chosen else None
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * 0 if isinstance(g["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p in every:
+            p.grad = stashed[id(p)]
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _save_planner() -> DefaultSavePlanner:
+    # flatten_state_dict=False: the objects above are stored whole (one pickled item each) rather than
+    # flattened into one DCP key per dict entry.
+    return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _load_planner() -> DefaultLoadPlanner:
+    # flatten_sharded_tensors=False as well: otherwise the planner works on a copy of the state dict and
+    # loaded pickled objects never reach ours (torch 2.13).
+    return DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _read_metadata(path: str) -> Metadata:
+    try:
+        return FileSystemReader(path).read_metadata()
+    except (FileNotFoundError, NotADirectoryError, OSError) as err:
+        raise ValueError(f"no meshkit checkpoint at {path!r} ({err}); fix: a directory written by "
+                         "meshkit.checkpoint.save") from err
+
+
+def _rng_state() -> dict[str, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng_state(state: dict[str, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _shape(entry: Any) -> tuple[int, ...] | str:
+    return tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "a non-tensor object"
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _raise(path: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"checkpoint {path} does not fit:\n  - " + "\n  - ".join(problems))
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a finished meshkit checkpoint (DCP writes its metadata file last)."""
+    try:
+        entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return False
+    return isinstance(entries.get(META), BytesStorageMetadata)
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The finished checkpoint under `root` with the highest step (a `step-<n>` subdirectory), `root`
+    itself if it is one, or None: what `--resume` resolves, so a run killed mid-save resumes from the
+    previous checkpoint."""
+    root = Path(root)
+    if is_checkpoint(root):
+        return str(root)
+    found = []
+    for child in root.glob("step-*") if root.is_dir() else ():
+        suffix = child.name[len("step-"):]
+        if suffix.isdigit() and is_checkpoint(child):
+            found.append((int(suffix), str(child)))
+    return max(found)[1] if found else None
+
+
+def step_dir(root: str | os.PathLike, step: int) -> str:
+    """Where the checkpoint of `step` goes under `root` (a fresh directory per save: never half-overwritten)."""
+    return str(Path(root) / f"step-{step:08d}")

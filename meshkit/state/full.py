@@ -1,0 +1,111 @@
+"""Full (unsharded) state dicts in and out of a sharded model, and initialisation that ignores the plan.
+
+Loading slices each rank's shards out of the full tensors locally, with no communication. Weight
+init generates each parameter whole from (seed, HF name) and keeps this rank's slice, trading compute
+(every rank generates every parameter it holds a piece of) for reproducibility across plans: the
+same seed gives the same model under any plan, which resharding checkpoints and the tests rely on.
+The memory peak is one full parameter, never the whole model.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshkit.mesh import axis
+from meshkit.models import llama
+from meshkit.models import moe as moe_models
+from meshkit.state.names import is_meshkit_only, non_persistent_buffer_names
+
+if TYPE_CHECKING:
+    from meshkit.parallel_model import ParallelModel
+
+
+def full_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer as a plain CPU tensor under its HF name (on every rank).
+
+    Under pipelining each rank gathers its stages' tensors and the pipeline ranks exchange them, so
+    every rank ends with the whole model in CPU memory: meant for export and tests of small models.
+    """
+    out = {}
+    for name, tensor in pm.model.state_dict().items():
+        if tensor.is_meta:
+            continue  # another pipeline rank's layer
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().cpu().clone()
+    if pm.plan.pp > 1:
+        pp = axis(pm.mesh, "pp")
+        pieces: list[dict | None] = [None] * pp.size()
+        dist.all_gather_object(pieces, out, group=pp.get_group())
+        out = {k: v for piece in pieces for k, v in piece.items()}
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(pm: ParallelModel, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy full (unsharded) tensors into this rank's shards; each rank slices what it holds, no traffic."""
+    materialise(pm)
+    aliases = pm.tied_aliases
+    every = dict(pm.model.named_parameters(remove_duplicate=False))  # tied weights under both names
+    every.update(dict(pm.model.named_buffers()))
+    expected = set(every) - non_persistent_buffer_names(pm.model)
+    # meshkit's router-bias buffers are not in HF checkpoints: missing ones keep their zeros.
+    missing = sorted(k for k in expected - set(state_dict)
+                     if not is_meshkit_only(k) and aliases.get(k) not in state_dict)
+    unexpected = sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+    for name, target in every.items():
+        source = name if name in state_dict else aliases.get(name)
+        if source in state_dict and not target.is_meta:
+            copy_full_into(target, state_dict[source])
+
+
+@torch.no_grad()
+def init_weights(pm: ParallelModel, seed: int = 0) -> None:
+    """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard."""
+    materialise(pm)
+    config = pm.model.config
+    for name, param in pm.named_parameters():
+        rule, std = llama.init_rule(name, config)
+        shape = param.shape
+        if rule == "ones":
+            full = torch.ones(shape)
+        elif rule == "zeros":
+            full = torch.zeros(shape)
+        else:
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            full = torch.randn(shape, generator=gen) * std
+            row = llama.padding_row(name, config)
+            if row is not None:
+                full[row] = 0
+        copy_full_into(param, full)
+
+
+def materialise(pm: ParallelModel) -> None:
+    """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta."""
+    parts = pm.model_parts
+    if not any(t.is_meta for part in parts for t in [*part.parameters(), *part.buffers()]):
+        return
+    for part in parts:
+        part.to_empty(device=pm.device)
+        moe_models.init_moe_buffers(part, pm.device)  # balancing buffers are not parameters
+    llama.reset_rotary(llama.parts(pm.model).rotary, pm.device)
+
+
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of the full tensor `full` into `target` (a DTensor shard or a plain tensor)."""
+    if tuple(full.shape) != tuple(target.shape):
+        raise ValueError(f"shape mismatch: expected {tuple(target.shape)}, got {tuple(full.shape)}")
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                  src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
