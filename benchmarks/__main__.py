@@ -1,10 +1,11 @@
 """Run every benchmark and collect their tables in benchmarks/RESULTS.md (`python -m benchmarks`).
 
-Each script measures meshkit against a peer in the same run and prints markdown; this runner only
-launches them one after another (they start their own gloo ranks, and sharing 2 cores between two
-benchmarks would corrupt both timings), keeps each one's output, and writes one file with the
-machine, the commands and every table. `--quick` passes `--quick` to the scripts that have it.
-A script that fails is reported in the file with its exit code and last lines, never hidden.
+Each benchmark measures meshkit against a peer in the same run and prints markdown; this runner only
+launches them one after another as `python -m benchmarks.<name>` (each starts its own gloo ranks,
+and sharing 2 cores between two benchmarks would corrupt both timings), keeps each one's output,
+and writes one file with the machine, the commands and every table. `--quick` passes `--quick` to
+the benchmarks that have it. One that fails is reported in the file with its exit code and last
+lines, never hidden.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
-# (script, its own arguments, whether it accepts --quick)
+# (module under benchmarks/, its own arguments, whether it accepts --quick)
 BENCHMARKS = [
-    ("overhead.py", [], False),
-    ("context_parallel.py", ["--out", str(RESULTS / "context_parallel.md")], True),
-    ("pipeline.py", ["--out", str(RESULTS)], True),
-    ("expert_parallel.py", ["--out", str(RESULTS / "expert_parallel.md")], True),
-    ("charts.py", ["--out", str(RESULTS)], False),  # after context_parallel.py: plots its measured memory table
-    ("gpu_mfu.py", [], True),  # prints "no CUDA device: skipped" without a GPU
+    ("overhead", [], False),
+    ("context_parallel", ["--out", str(RESULTS / "context_parallel.md")], True),
+    ("pipeline", ["--out", str(RESULTS)], True),
+    ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),
+    ("charts", ["--out", str(RESULTS)], False),  # after context_parallel: plots its measured memory table
+    ("gpu_mfu", [], True),  # prints "no CUDA device: skipped" without a GPU
 ]
 
 
-def _run(script: str, args: list[str]) -> tuple[int, str, float]:
+def _run(name: str, args: list[str]) -> tuple[int, str, float]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], capture_output=True, text=True,
                           cwd=HERE.parent, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     return proc.returncode, proc.stdout + (proc.stderr if proc.returncode else ""), time.perf_counter() - start
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the selected benchmarks in sequence and write RESULTS.md; exit non-zero if any failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the scripts' short variants")
-    parser.add_argument("--only", nargs="*", help="script names to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="benchmark names to run (default: all)")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
@@ -59,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         "measured in the same script run\n",
     ]
     failed = 0
-    for script, extra, has_quick in BENCHMARKS:
-        if args.only and script not in args.only and script.removesuffix(".py") not in args.only:
+    for name, extra, has_quick in BENCHMARKS:
+        if args.only and name not in args.only:
             continue
         cmd = extra + (["--quick"] if args.quick and has_quick else [])
-        print(f"running {script} {' '.join(cmd)}", flush=True)
-        code, output, seconds = _run(script, cmd)
-        sections.append(f"\n---\n\n<!-- {script}: exit {code}, {seconds:.0f} s -->\n")
+        print(f"running python -m benchmarks.{name} {' '.join(cmd)}", flush=True)
+        code, output, seconds = _run(name, cmd)
+        sections.append(f"\n---\n\n<!-- benchmarks.{name}: exit {code}, {seconds:.0f} s -->\n")
         if code:
             failed += 1
             tail = "\n".join(output.strip().splitlines()[-30:])
-            sections.append(f"## {script} FAILED (exit {code})\n\n```\n{tail}\n```\n")
+            sections.append(f"## benchmarks.{name} FAILED (exit {code})\n\n```\n{tail}\n```\n")
         else:
             sections.append(output.strip() + "\n")
         print(f"  {'FAILED' if code else 'ok'} in {seconds:.0f} s", flush=True)

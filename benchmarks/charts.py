@@ -1,9 +1,9 @@
 """PNG charts for context parallelism: per-rank causal work balance and saved memory vs sequence length.
 
-    .venv/bin/python benchmarks/charts.py [--out benchmarks/results] [--cp 4]
+    python -m benchmarks.charts [--out benchmarks/results] [--cp 4]
 
 Both charts are cheap (no processes): the balance chart counts attention scores with meshkit's own
-`score_elements`, the same schedule its ring kernels run (benchmarks/context_parallel.py checks that
+`score_elements`, the same schedule its ring kernels run (`benchmarks.context_parallel` checks that
 count against the kernels that actually ran). The memory chart plots the *measured* saved-for-backward
 bytes from section 4 of benchmarks/results/context_parallel.md when that file exists (the runner
 writes it just before this script runs), and otherwise an *analytic* count of the tensors the
@@ -28,7 +28,7 @@ from meshkit.context_parallel import kv_replication, score_elements  # noqa: E40
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 FP32 = 4
-# The attention shape of benchmarks/context_parallel.py's memory section (its defaults).
+# The attention shape of benchmarks.context_parallel's memory section (its defaults).
 SHAPE = {"batch": 1, "heads": 8, "kv_heads": 2, "head_dim": 64}
 SEQS = (512, 1024, 2048, 4096, 8192)
 VARIANTS = ("cp=1", "ring", "zigzag", "ulysses")
@@ -149,6 +149,7 @@ def memory_chart(path: Path, cp: int = 4, md: Path = RESULTS / "context_parallel
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Draw both charts into --out and print the markdown that shows them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(RESULTS), help="directory for the PNGs")
     parser.add_argument("--cp", type=int, default=4)
@@ -162,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(per_rank) / len(per_rank)
         print(f"- CP balance, {name}: max/mean causal work {max(per_rank) / mean:.2f}")
     print(f"- memory vs sequence length: {source} saved bytes per rank\n")
-    print(f"![CP balance]({(out / 'cp_balance.png').relative_to(HERE) if out.is_relative_to(HERE) else out})")
-    print(f"![CP memory vs S]({(out / 'cp_memory_vs_seq.png').relative_to(HERE) if out.is_relative_to(HERE) else out})")
+    for title, name in (("CP balance", "cp_balance.png"), ("CP memory vs S", "cp_memory_vs_seq.png")):
+        path = out / name
+        print(f"![{title}]({path.relative_to(HERE) if path.is_relative_to(HERE) else path})")
     return 0
 
 

@@ -1,9 +1,9 @@
 """Expert parallelism on a CPU gloo mesh: all-to-all bytes vs theory, load balance, EP vs replicated experts.
 
-    .venv/bin/python benchmarks/expert_parallel.py [--quick] [--gpu] [--out FILE]
+    python -m benchmarks.expert_parallel [--quick] [--gpu] [--out FILE]
 
-The script forks its own gloo ranks (ep = 2 and 4, one rank per process, 1 thread each) and prints
-markdown:
+The script starts gloo ranks (ep = 2 and 4, one rank per process, 1 thread each; `benchmarks.launch`)
+and prints markdown:
 
 1. bytes each rank sends through the token all-to-alls per training step of one MoE layer, forward
    and backward, counted on the c10d calls themselves (a TorchDispatchMode sees autograd's backward
@@ -23,20 +23,18 @@ markdown:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import _launch  # benchmarks/ is on sys.path when this file runs as a script
 import torch
 import torch.distributed as dist
 
+from benchmarks.launch import run_ranks
+from benchmarks.report import emit, machine_line, table
 from meshkit._compat import dispatch_mode_base
 from meshkit.expert_parallel import MoE, apply_expert_parallel, pop_router_stats, update_expert_biases
 from meshkit.expert_parallel.grouped_gemm import grouped_mm_usable, swiglu_experts
@@ -190,31 +188,18 @@ def timing_run(shape: dict, rank: int, reps: int) -> dict:
     return {"times": times, "expert_bytes": expert_bytes}
 
 
-def rank_main(rank: int, world: int, port: int, spec: dict, path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mine: dict[str, Any] = {"bytes": bytes_run(spec["bytes_shape"], rank)}
-        if "balance" in spec["sections"]:
-            mine["balance"] = [balance_run(spec["balance_shape"], rank, world, m, spec["steps"])
-                               for m in ("none", "switch", "bias")]
-        mine["timing"] = timing_run(spec["time_shape"], rank, spec["reps"])
-        ranks: list[Any] = [None] * world
-        dist.all_gather_object(ranks, mine)
-        if rank == 0:
-            with open(path, "w") as f:
-                json.dump(ranks, f)
-    finally:
-        dist.destroy_process_group()
+def rank_main(spec: dict) -> dict[str, Any]:
+    """One rank's measurements (every rank of the pool runs it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: dict[str, Any] = {"bytes": bytes_run(spec["bytes_shape"], rank)}
+    if "balance" in spec["sections"]:
+        mine["balance"] = [balance_run(spec["balance_shape"], rank, world, m, spec["steps"])
+                           for m in ("none", "switch", "bias")]
+    mine["timing"] = timing_run(spec["time_shape"], rank, spec["reps"])
+    return mine
 
 
 # ------------------------------------------------------------------------------ tables
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows] + [""]
 
 
 def kib(n: float) -> str:
@@ -351,11 +336,6 @@ def gemm_section(args: argparse.Namespace) -> list[str]:
 
 
 
-def launch(world: int, spec: dict) -> list:
-    """Fork `world` gloo ranks running this benchmark's worker; rank 0's JSON result."""
-    return _launch.launch(rank_main, world, spec)
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about a minute)")
@@ -382,18 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, list] = {}
     for ep in (2, 4):
         print(f"[expert_parallel] ep={ep} ({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
-        results[ep] = launch(ep, dict(spec, sections=["balance"] if ep == 4 else []))
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        results[ep] = run_ranks(rank_main, ep, dict(spec, sections=["balance"] if ep == 4 else []))
     lines = ["# meshkit expert-parallel benchmark", "",
-             f"- command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`",
-             f"- torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores (load "
-             f"average {load} at the end), gloo on CPU, 1 thread per rank, ranks forked by this script", ""]
+             machine_line(", gloo on CPU, 1 thread per rank (benchmarks.launch)"), ""]
     lines += bytes_section(results, spec["bytes_shape"])
     lines += balance_section(results[4], spec["balance_shape"], args.steps, 4)
     lines += timing_section(results, spec["time_shape"], args.reps)
     lines += gemm_section(args)
     lines.append(f"Total runtime {time.perf_counter() - start:.0f} s.")
-    _launch.emit(lines, args.out)
+    emit(lines, args.out)
     return 0
 
 

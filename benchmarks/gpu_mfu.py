@@ -1,6 +1,6 @@
 """Single-GPU MFU of a Llama-3-8B-shaped model with fewer layers: meshkit (every degree 1) vs plain HF.
 
-    .venv/bin/python benchmarks/gpu_mfu.py [--layers 4] [--seq 8192] [--reps 10] [--quick] [--peak-tflops X]
+    python -m benchmarks.gpu_mfu [--layers 4] [--seq 8192] [--reps 10] [--quick] [--peak-tflops X]
 
 meshkit runs `Plan(param_dtype="bfloat16", activation_checkpointing="selective", compile=True)` on a
 one-rank mesh: FSDP2's mixed precision keeps fp32 master weights and computes in bf16. The peer is the

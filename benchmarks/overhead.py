@@ -1,7 +1,7 @@
 """What meshkit costs: step time with every degree 1 vs plain HF, and bytes moved vs the theoretical minimum.
 
-    python benchmarks/overhead.py                 # both parts (part b spawns 4 gloo processes itself)
-    python benchmarks/overhead.py --part time     # or --part bytes
+    python -m benchmarks.overhead                 # both parts (part b runs 4 gloo ranks, benchmarks.launch)
+    python -m benchmarks.overhead --part time     # or --part bytes
 
 (a) With every degree 1, meshkit should be the HF model plus bookkeeping: same process, same weights,
 same inputs, the two steps interleaved so machine noise hits both alike; the ratio of median step
@@ -17,24 +17,27 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from typing import Any
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import meshkit
+from benchmarks.launch import run_ranks
+from benchmarks.report import emit, machine_line, table
+from meshkit.comm_counter import CommCounter
+from meshkit.data_parallel import DTYPES
+from meshkit.models.llama import attention_dims
 
 SMALL = 64  # all-reduces at or under this many bytes are latency-bound scalars, reported apart
 
 
 def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, seq: int) -> Any:
-    from transformers import LlamaConfig
-
+    """A fresh Llama config with meshkit's attention kernel (SDPA) pinned for both sides."""
     return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                        max_position_embeddings=max(seq, 128), use_cache=False, tie_word_embeddings=False,
@@ -44,12 +47,8 @@ def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, inter: int
 # -------------------------------------------------------------------------------- (a) step time
 
 
-def time_overhead(args: argparse.Namespace) -> dict[str, float]:
-    """Interleaved repetitions of both steps in one process; returns median seconds per variant."""
-    from transformers import LlamaForCausalLM
-
-    import meshkit
-
+def time_overhead(args: argparse.Namespace) -> list[str]:
+    """Interleaved repetitions of both steps in one process; the report lines of part (a)."""
     config = llama_config(args.hidden, args.layers, args.heads, args.kv_heads, args.inter, args.vocab, args.seq)
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config)
@@ -90,16 +89,14 @@ def time_overhead(args: argparse.Namespace) -> dict[str, float]:
     # median is the headline, robust to a busy machine where the raw medians are not.
     paired = statistics.median(m / b for m, b in zip(times[mk_name], times[base_name]))
     tokens = args.batch * args.seq
-    print(f"\n(a) step time, every degree 1 vs plain HF (fp32, {torch.get_num_threads()} threads, "
-          f"{args.reps} interleaved reps, batch {args.batch} x seq {args.seq}, loss {first[base_name]:.4f} on both)")
-    print(f"{'variant':<26}{'median s':>10}{'min s':>10}{'tokens/s':>11}{'median ratio':>14}{'min ratio':>11}")
-    for name in order:
-        med, low = medians[name], min(times[name])
-        print(f"{name:<26}{med:>10.4f}{low:>10.4f}{tokens / med:>11,.0f}{med / medians[base_name]:>14.3f}"
-              f"{low / min(times[base_name]):>11.3f}")
-    print(f"overhead ratio (median of paired ratios) {paired:.3f} (goal <= 1.05): "
-          f"{'OK' if paired <= 1.05 else 'ABOVE GOAL'}")
-    return {"ratio": paired, **medians}
+    rows = [[name, f"{medians[name]:.4f}", f"{min(times[name]):.4f}", f"{tokens / medians[name]:,.0f}",
+             f"{medians[name] / medians[base_name]:.3f}", f"{min(times[name]) / min(times[base_name]):.3f}"]
+            for name in order]
+    return [f"## (a) step time, every degree 1 vs plain HF (fp32, {torch.get_num_threads()} threads, "
+            f"{args.reps} interleaved reps, batch {args.batch} x seq {args.seq}, loss {first[base_name]:.4f} on both)",
+            "", *table(["variant", "median s", "min s", "tokens/s", "median ratio", "min ratio"], rows),
+            f"overhead ratio (median of paired ratios) {paired:.3f} (goal <= 1.05): "
+            f"{'OK' if paired <= 1.05 else 'ABOVE GOAL'}", ""]
 
 
 # ----------------------------------------------------------------------------- (b) bytes moved
@@ -123,12 +120,8 @@ def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str]
       first), and the gradients reduce-scattered; HSDP adds an all-reduce of the gradient shard.
     - scalars: loss and valid-token count over dp, one gradient-norm reduction.
     """
-    from meshkit.data_parallel import DTYPES
-
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or h // heads
+    heads, kv, d = attention_dims(config)
     inter = config.intermediate_size
     t = plan.tp
     act = DTYPES[plan.param_dtype].itemsize
@@ -154,8 +147,7 @@ def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str]
         block = sharded_block / t + 2 * h
         last = h + vocab * h / t
         total = embed + layers * block + last
-        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
-        regathered = (embed + layers * block) if reshard else 0.0
+        regathered = (embed + layers * block) if plan.fsdp_reshard else 0.0
         if fsdp > 1:
             out[("all_gather", "dp_shard_cp")].append(("FSDP params forward", total * pbytes))
             if regathered:
@@ -166,26 +158,8 @@ def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str]
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bytes_worker(rank: int, world: int, port: int, out_path: str, spec: dict[str, Any]) -> None:
-    """One rank of part (b): parallelize, one warm-up step, one counted step; rank 0 writes the counts."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-    from transformers import LlamaForCausalLM
-
-    import meshkit
-    from meshkit.comm_counter import CommCounter
-
+def count_step(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of part (b): parallelize, one warm-up step, one counted step; rank 0 returns the counts."""
     config = llama_config(**spec["model"])
     plan = meshkit.Plan.from_string(spec["plan"])
     with torch.device("meta"):
@@ -206,17 +180,11 @@ def _bytes_worker(rank: int, world: int, port: int, out_path: str, spec: dict[st
     step()  # lazy initialisation (FSDP, optimizer state) is not per-step traffic
     with CommCounter(pm.mesh) as counter:
         step()
-    if rank == 0:
-        events = [list(e) for e in counter.events]
-        with open(out_path, "w") as f:
-            json.dump({"events": events, "sizes": counter.sizes, "plan": str(pm.plan.to_dict())}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"events": counter.events, "sizes": counter.sizes} if pm.mesh.get_rank() == 0 else None
 
 
-def bytes_vs_theory(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import meshkit
-
+def bytes_vs_theory(args: argparse.Namespace) -> list[str]:
+    """Part (b): one counted training step on 4 ranks against the plan's minimum; the report lines."""
     world = 4
     spec = {
         "model": dict(hidden=args.b_hidden, layers=args.b_layers, heads=4, kv_heads=2, inter=args.b_hidden * 3,
@@ -224,13 +192,9 @@ def bytes_vs_theory(args: argparse.Namespace) -> list[dict[str, Any]]:
         "plan": args.b_plan, "batch": args.b_batch, "seq": args.b_seq,
     }
     plan = meshkit.Plan.from_string(spec["plan"]).resolve(world)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "counts.json")
-        torch.multiprocessing.spawn(_bytes_worker, args=(world, _free_port(), out_path, spec), nprocs=world)
-        with open(out_path) as f:
-            counted = json.load(f)
+    counted = run_ranks(count_step, world, spec)[0]
     measured: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-    scalars = [0, 0]
+    scalars, excess = [0, 0], []
     # With cp=1 the flattened dp_shard_cp may be the dp_shard group itself; the counter then names it by
     # the base axis. Same ranks, same traffic: report it under the FSDP axis name the theory uses.
     alias = {"dp_shard": "dp_shard_cp"} if plan.cp == 1 else {}
@@ -244,37 +208,28 @@ def bytes_vs_theory(args: argparse.Namespace) -> list[dict[str, Any]]:
         measured[(kind, axis)][1] += nbytes
     expected = theory(llama_config(**spec["model"]), plan, args.b_batch, args.b_seq)
     sizes = counted["sizes"]
-    rows = []
-    print(f"\n(b) bytes per rank for one training step: plan {plan.describe()} on {world} gloo processes, "
-          f"Llama h={args.b_hidden} L={args.b_layers}, batch {args.b_batch} x seq {args.b_seq} per dp rank, "
-          f"{plan.param_dtype} params / {plan.reduce_dtype} grads")
-    print(f"{'collective':<16}{'axis':<14}{'calls':>6}{'measured B':>13}{'theory B':>13}{'ratio':>7}"
-          f"{'wire B/rank':>13}  theory terms")
+    rows, totals = [], [0, 0.0, 0.0, 0.0]  # measured, theory, wire, theory wire
     for key in sorted(set(measured) | set(expected)):
         kind, axis = key
         count, got = measured.get(key, [0, 0])
         want = sum(v for _, v in expected.get(key, []))
         n = sizes.get(axis, getattr(plan, axis, 1) if axis != "dp_shard_cp" else plan.dp_shard * plan.cp)
         factor = {"all_reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)  # ring algorithms
-        wire = got * factor
-        ratio = got / want if want else float("inf")
         terms = "; ".join(f"{label} {v:,.0f}" for label, v in expected.get(key, [])) or "(none expected)"
-        print(f"{kind:<16}{axis:<14}{count:>6}{got:>13,}{want:>13,.0f}{ratio:>7.2f}{wire:>13,.0f}  {terms}")
-        rows.append({"kind": kind, "axis": axis, "calls": count, "measured": got, "theory": want, "ratio": ratio,
-                     "wire": wire, "wire_theory": want * factor})
-    total_got = sum(v[1] for v in measured.values())
-    total_want = sum(v for terms in expected.values() for _, v in terms)
-    wire_got = sum(r["wire"] for r in rows)
-    wire_want = sum(r["wire_theory"] for r in rows)
-    print(f"{'total (no scalars)':<30}{'':>6}{total_got:>13,}{total_want:>13,.0f}{total_got / total_want:>7.2f}"
-          f"{wire_got:>13,.0f}  theory wire {wire_want:,.0f} B/rank (ratio {wire_got / wire_want:.2f})")
-    for r in rows:
-        if r["measured"] > 1.05 * r["theory"]:
-            print(f"  excess: {r['kind']} over {r['axis']} moves {r['measured'] - r['theory']:,.0f} B more than the "
-                  f"minimum ({r['calls']} calls)")
-    print(f"scalar all-reduces (<= {SMALL} B, latency-bound): {scalars[0]} calls, {scalars[1]} B; "
-          "minimum 3 (loss, valid-token count, gradient norm); the rest are input checks and per-mesh norm parts")
-    return rows
+        rows.append([kind, axis, count, f"{got:,}", f"{want:,.0f}", f"{got / want:.2f}" if want else "inf",
+                     f"{got * factor:,.0f}", terms])
+        totals = [totals[0] + got, totals[1] + want, totals[2] + got * factor, totals[3] + want * factor]
+        if got > 1.05 * want:
+            excess.append(f"excess: {kind} over {axis} moves {got - want:,.0f} B more than the minimum ({count} calls)")
+    rows.append(["total (no scalars)", "", "", f"{totals[0]:,}", f"{totals[1]:,.0f}", f"{totals[0] / totals[1]:.2f}",
+                 f"{totals[2]:,.0f}", f"theory wire {totals[3]:,.0f} B/rank (ratio {totals[2] / totals[3]:.2f})"])
+    return [f"## (b) bytes per rank for one training step: plan {plan.describe()} on {world} gloo ranks, "
+            f"Llama h={args.b_hidden} L={args.b_layers}, batch {args.b_batch} x seq {args.b_seq} per dp rank, "
+            f"{plan.param_dtype} params / {plan.reduce_dtype} grads", "",
+            *table(["collective", "axis", "calls", "measured B", "theory B", "ratio", "wire B/rank", "theory terms"],
+                   rows), *excess,
+            f"scalar all-reduces (<= {SMALL} B, latency-bound): {scalars[0]} calls, {scalars[1]} B; minimum 3 (loss, "
+            "valid-token count, gradient norm); the rest are input checks and per-mesh norm parts", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,11 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--b-layers", type=int, default=2)
     group.add_argument("--b-seq", type=int, default=64)
     group.add_argument("--b-batch", type=int, default=4)
+    parser.add_argument("--out", help="also write the markdown here")
     args = parser.parse_args(argv)
+    lines = ["# meshkit overhead benchmark", "", machine_line(), ""]
     if args.part in ("both", "time"):
-        time_overhead(args)
+        lines += time_overhead(args)
     if args.part in ("both", "bytes"):
-        bytes_vs_theory(args)
+        lines += bytes_vs_theory(args)
+    emit(lines, args.out)
     return 0
 
 

@@ -19,6 +19,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from benchmarks.report import table
 from meshkit import estimate as est
 from meshkit.estimate import search as plan_search
 
@@ -104,11 +105,9 @@ def run_cell(cell: tuple[str, int]) -> tuple:
     return model, world, best.family, best.describe(), best.estimate.mfu, theirs_text, cpu
 
 
-def table(rows: list[tuple]) -> str:
+def comparison(rows: list[tuple]) -> list[str]:
     """The markdown comparison table, one row per cell in the order given."""
-    out = ["| model (Playbook) | GPUs | meshkit best plan | meshkit family | est. MFU | "
-           "Playbook best (measured) | Playbook family | agree | meshkit's best in the Playbook's family |",
-           "|---|---:|---|---|---:|---|---|---|---|"]
+    out = []
     for model, world, fam, text, mfu, in_theirs, _ in rows:
         cfg = PLAYBOOK.get((MODELS[model], world), "n/a")
         if cfg == "n/a":
@@ -116,10 +115,11 @@ def table(rows: list[tuple]) -> str:
         else:
             theirs, their_text = playbook_family(cfg), playbook_text(cfg)
             agree = agreement(fam, theirs)
-        ours_mfu = f"{mfu:.1%}" if fam else "-"
-        out.append(f"| {model} ({MODELS[model]}) | {world} | {text} | {fam or '-'} | {ours_mfu} | "
-                   f"{their_text} | {theirs} | {agree} | {in_theirs} |")
-    return "\n".join(out)
+        out.append([f"{model} ({MODELS[model]})", world, text, fam or "-", f"{mfu:.1%}" if fam else "-",
+                    their_text, theirs, agree, in_theirs])
+    return table(["model (Playbook)", "GPUs", "meshkit best plan", "meshkit family", "est. MFU",
+                  "Playbook best (measured)", "Playbook family", "agree", "meshkit's best in the Playbook's family"],
+                 out)
 
 
 def parse_cell(text: str) -> tuple[str, int]:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [results[c] for c in args.cells]
     wall = time.perf_counter() - start
     print(f"seq {SEQ}, global batch {TOKENS:,} tokens, {DEVICE}, meshkit's assumed kernel efficiency 45%\n")
-    print(table(rows))
+    print("\n".join(comparison(rows)))
     print(f"\n{len(rows)} searches, jobs={args.jobs}: {wall:.0f} s wall, "
           f"{sum(r[-1] for r in rows):.0f} s CPU in the searches")
     return 0

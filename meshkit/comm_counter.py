@@ -86,7 +86,7 @@ class CommCounter:
     named by the mesh axis they belong to when a mesh is given (derived axes included).
 
     Only collectives issued on this rank while the block runs are seen. On CPU backward runs on the
-    calling thread, so its collectives count (tests/test_metrics.py); on CUDA, autograd's device
+    calling thread, so its collectives count (tests/estimate/test_metrics.py); on CUDA, autograd's device
     threads should inherit the mode with the rest of the thread-local state (not yet checked on GPU).
     """
 

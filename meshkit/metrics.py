@@ -23,7 +23,7 @@ and nothing saves down_proj's output (it only feeds the residual add). An MoE bl
 whole: meshkit's combine multiplies the experts' outputs by the routing weights, which saves them.
 MoE blocks count their *active* parameters (router plus top_k experts), as MoE MFU figures do. meshkit's selective AC saves
 matmul and attention outputs and recomputes only elementwise ops and norms, which this convention
-counts as zero, so selective HFU == MFU. tests/test_metrics.py checks all three against
+counts as zero, so selective HFU == MFU. tests/estimate/test_metrics.py checks all three against
 FlopCounterMode exactly.
 """
 

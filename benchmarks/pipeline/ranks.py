@@ -1,28 +1,25 @@
-"""Per-rank code of `benchmarks/pipeline.py`: sleep stages, HF stages, and the timed steps.
+"""Per-rank code of the pipeline benchmark: sleep stages, HF stages, and the timed steps.
 
 Each rank runs every variant (meshkit's runtime and torch's schedules on the same modules, plus the
 unsplit HF model on rank 0) in the same rotated order per repetition, with a barrier before every
-step, and records when its step started and ended and how long each sleep took. Rank 0 gathers the
-records and writes them as JSON; the driver turns them into tables.
+step, and records when its step started and ended and how long each sleep took. `run` returns the
+rank's records to the driver (`__main__`), which turns every rank's into tables.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import _pipeline_torch as torch_pp  # benchmarks/ is on sys.path when pipeline.py runs as a script
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.pipeline import torch_pipeline as torch_pp
 from meshkit.models import llama
 from meshkit.models.stage import build_stages
 from meshkit.pipeline import split as pp_split
@@ -354,22 +351,6 @@ def _losses(variants: list[Variant], m: int) -> dict[str, float | None]:
 # ------------------------------------------------------------------------------------------- entry
 
 
-def run(rank: int, world: int, port: int, spec: dict, path: str) -> None:
-    """torch.multiprocessing entry point: one gloo rank; rank 0 writes every rank's records to `path`."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        result: dict[str, Any] = {}
-        for section in spec["sections"]:
-            result[section] = {"sleep": sleep_section, "hf": hf_section}[section](spec)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            with open(path, "w") as f:
-                json.dump(gathered, f)
-    finally:
-        dist.destroy_process_group()
-
-
-__all__: Sequence[str] = ("SleepStage", "run")
+def run(spec: dict) -> dict[str, Any]:
+    """One gloo rank (every rank of the pool runs it): the records of each section `spec` asks for."""
+    return {section: {"sleep": sleep_section, "hf": hf_section}[section](spec) for section in spec["sections"]}

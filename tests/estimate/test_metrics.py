@@ -244,16 +244,24 @@ def test_comm_counter_sees_dtensor_and_fsdp_collectives(dist) -> None:
 
 # ------------------------------------------------------------------ the recipe's pieces (no processes)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def recipe():
+def _load_recipe():
+    """recipes/train_llama.py as a module, as `python recipes/train_llama.py` sees it: its folder on
+    sys.path (it imports its sibling train_config.py)."""
+    if str(ROOT / "recipes") not in sys.path:
+        sys.path.insert(0, str(ROOT / "recipes"))
     spec = importlib.util.spec_from_file_location("train_llama", ROOT / "recipes" / "train_llama.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_llama"] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return _load_recipe()
 
 
 @pytest.mark.parametrize("preset,world", [("debug_cpu", 8), ("llama3_8b", 8), ("llama3_70b", 32), ("llama3_405b", 512),
@@ -351,10 +359,7 @@ def test_recipe_predicts_peak_memory(recipe, preset: str, world: int) -> None:
 
 def _recipe_run(plan: str, log_dir: str) -> dict:
     """The recipe's training loop on this pool rank: 2 steps of the debug preset, evaluated each step."""
-    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "recipes" / "train_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_llama"] = module
-    spec.loader.exec_module(module)
+    module = _load_recipe()
     run = module.load_config(str(ROOT / "recipes" / "configs" / "debug_cpu.toml"))
     run.plan = __import__("meshkit").Plan.from_string(plan)
     run.model["num_hidden_layers"] = 4

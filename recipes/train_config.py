@@ -1,0 +1,176 @@
+"""The recipe's configuration: a TOML preset ([model], [plan], [train], [data]) with command-line
+flags on top, and the Hugging Face model config it describes. `train_llama.py` runs it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from transformers import AutoConfig
+
+import meshkit
+
+# ----------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class TrainConfig:
+    """The [train] table. Sizes are per data-parallel rank; the global batch is dp * local_batch * grad_accum."""
+
+    steps: int = 40
+    seq_len: int = 64
+    local_batch: int = 4
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0  # max gradient norm; 0 disables clipping (the norm is still logged)
+    seed: int = 0
+    log_dir: str = "runs"
+    name: str = ""  # run name under log_dir; default: <config stem>-<timestamp>
+    log_every: int = 1
+    profile: bool = False  # torch.profiler trace of a few steps into <log_dir>/<name>/profile
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 picks a preset (metrics.PEAK_FLOPS)
+    threads: int = 0  # torch threads per process on CPU; 0: cores / local processes
+    save_every: int = 0  # save a meshkit checkpoint every N steps (and at the end); 0: never
+    save_dir: str = "checkpoints"  # checkpoints go to <save_dir>/step-NNNNNNNN
+    resume: str = ""  # resume from the newest finished checkpoint under this directory (any plan)
+    export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
+    eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
+    eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)
+
+
+@dataclass
+class DataConfig:
+    """The [data] table: a synthetic Markov chain over the vocabulary.
+
+    Each token has `branching` possible successors drawn once from `chain_seed`, so the best achievable
+    loss is ln(branching) while a fresh model starts near ln(vocab_size).
+    """
+
+    branching: int = 2
+    chain_seed: int = 1234  # draws the transition table (shared by all ranks)
+
+
+@dataclass
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=dict)
+    plan: meshkit.Plan = field(default_factory=meshkit.Plan)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    source: str = ""
+
+
+def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(f"[{where}] has unknown key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**table)
+
+
+def load_config(path: str | None) -> RunConfig:
+    """Parse a preset; each table is optional, unknown keys are errors (a typo must not be ignored)."""
+    if not path:
+        return RunConfig()
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    unknown = sorted(set(data) - {"model", "plan", "train", "data"})
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {unknown}; expected [model], [plan], [train], [data]")
+    return RunConfig(
+        model=dict(data.get("model", {})),
+        plan=meshkit.Plan.from_toml(data.get("plan", {})),
+        train=_fill(TrainConfig, data.get("train", {}), "train"),
+        data=_fill(DataConfig, data.get("data", {}), "data"),
+        source=str(path),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="TOML preset with [model], [plan], [train], [data] tables")
+    parser.add_argument("--model-path", help="local HF checkpoint or config directory (overrides [model] path)")
+    parser.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one HF config field, e.g. --model-set num_hidden_layers=4 (repeatable)")
+    for cls in (TrainConfig, DataConfig):
+        group = parser.add_argument_group(f"[{cls.__name__[:-6].lower()}]")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                group.add_argument(flag, dest=f.name, default=None, type=_TYPES[str(f.type)],
+                                   help=f"(preset default {f.default!r})")
+    meshkit.Plan.add_cli_args(parser)
+    return parser
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _toml_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_cli(config: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """Flags given on the command line win over the preset; flags not given leave it alone."""
+    def overlay(obj: Any) -> Any:
+        given = {f.name: getattr(args, f.name) for f in fields(obj) if getattr(args, f.name, None) is not None}
+        return dataclasses.replace(obj, **given)
+
+    model = dict(config.model)
+    if args.model_path:
+        model["path"] = args.model_path
+    for item in args.model_set:
+        if "=" not in item:
+            raise ValueError(f"--model-set {item!r}: expected KEY=VALUE, e.g. num_hidden_layers=4")
+        key, value = item.split("=", 1)
+        model[key.strip()] = _toml_value(value.strip())
+    return RunConfig(model=model, plan=meshkit.Plan.from_cli_args(args, base=config.plan),
+                     train=overlay(config.train), data=overlay(config.data), source=config.source)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def build_model_config(table: dict[str, Any]) -> tuple[Any, Path | None, bool]:
+    """(HF config, checkpoint dir or None, load weights?) from the [model] table.
+
+    With `path`, the directory's config.json is the base and the other keys override it; weights are
+    loaded when the directory holds safetensors, unless `pretrained = false`.
+    """
+    table = dict(table)
+    path = table.pop("path", None)
+    pretrained = table.pop("pretrained", None)
+    if path:
+        directory = Path(path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"[model] path={str(directory)!r}: no config.json there; fix: point at a local HF "
+                             "checkpoint or config directory")
+        config = AutoConfig.from_pretrained(directory)
+        for key, value in table.items():
+            setattr(config, key, value)
+        has_weights = any(directory.glob("*.safetensors"))
+        if pretrained and not has_weights:
+            raise ValueError(f"[model] pretrained=true but {directory} holds no *.safetensors files")
+        return config, directory, has_weights if pretrained is None else bool(pretrained)
+    model_type = table.pop("model_type", "llama")
+    table.setdefault("use_cache", False)
+    return AutoConfig.for_model(model_type, **table), None, False
