@@ -152,11 +152,11 @@ class GroupedExperts(nn.Module):
     @property
     def num_local_experts(self) -> int:
         """Experts this rank holds (all of them without expert parallelism)."""
-        return _local(self.gate_up_proj).shape[0]
+        return local_tensor(self.gate_up_proj).shape[0]
 
     def forward(self, x_GH: Tensor, tokens_per_expert: Sequence[int], counts_E: Tensor | None = None) -> Tensor:
         """`tokens_per_expert`: rows per local expert on the host; `counts_E`: the same on the device."""
-        return swiglu_experts(x_GH, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert,
+        return swiglu_experts(x_GH, local_tensor(self.gate_up_proj), local_tensor(self.down_proj), tokens_per_expert,
                               self.backend, counts_E)
 
 
@@ -174,7 +174,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _local(t: Tensor) -> Tensor:
+def local_tensor(t: Tensor) -> Tensor:
     """The local block of an expert-sharded DTensor (differentiable); plain tensors pass through."""
     return t.to_local() if isinstance(t, DTensor) else t
 

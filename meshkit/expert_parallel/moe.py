@@ -47,7 +47,7 @@ from meshkit.expert_parallel.dispatch import (
     dispatch,
     plan_dispatch,
 )
-from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU, _local
+from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU, local_tensor
 
 
 @dataclass(eq=False)
@@ -230,7 +230,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Route each token to its top-k experts (across ranks under EP) and combine; shape preserved."""
         x_TH = x.reshape(-1, self.hidden_size)
-        logits_TE = F.linear(x_TH.float(), _local(self.gate.weight).float())
+        logits_TE = F.linear(x_TH.float(), local_tensor(self.gate.weight).float())
         recompute = in_backward()
         stats_needed = self.training and torch.is_grad_enabled() and (
             self.aux_loss_coef > 0 or self.z_loss_coef > 0 or self.keep_router_stats)
