@@ -86,7 +86,8 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
         mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
     plan = plan.validate(model.config, world)
-    problems = moe_models.plan_problems(plan, llama.moe_modules(llama.parts(model)), model.config)
+    problems = moe_models.plan_problems(llama.moe_modules(llama.parts(model)), model.config, pp=plan.pp, tp=plan.tp,
+                                        ep=plan.ep, sequence_parallel=plan.sequence_parallel)
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:

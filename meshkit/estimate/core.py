@@ -33,6 +33,7 @@ from meshkit.estimate import moe
 from meshkit.estimate.comm import Collective, communication
 from meshkit.estimate.memory import RankMemory, model_state, rank_memory
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
+from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama
 from meshkit.models.moe import moe_spec
 from meshkit.pipeline.schedules import build_schedule
@@ -123,8 +124,8 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     spec = moe.require_supported(config)
     if plan.ep > 1 and spec is None:
         raise ValueError(f"ep={plan.ep}: the model is dense, with no experts to shard; fix: ep=1")
-    if spec is not None and spec.num_experts % plan.ep:
-        raise ValueError(f"ep={plan.ep} does not divide num_experts={spec.num_experts}; fix: an ep dividing it")
+    if spec is not None and expert_split_problem(plan.ep, spec.num_experts):
+        raise ValueError(expert_split_problem(plan.ep, spec.num_experts))
     flops = metrics.flops_per_token(config, workload.seq, plan.activation_checkpointing,
                                     moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
     share = workload.mbs * workload.seq / (plan.tp * plan.cp) / (device.peak_flops * workload.mfu)

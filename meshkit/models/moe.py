@@ -35,7 +35,7 @@ import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +48,6 @@ from meshkit.expert_parallel import (
     moe_layers,
     pop_router_stats,
 )
-
-if TYPE_CHECKING:
-    from meshkit.plan import Plan
 
 __all__ = [
     "MoESpec",
@@ -115,25 +112,26 @@ def is_moe_model(model: nn.Module) -> bool:
     return any(isinstance(m, MoE) or type(m).__name__ in _HF_BLOCKS for m in model.modules())
 
 
-def plan_problems(plan: Plan, moes: list[MoE], config: Any) -> list[str]:
-    """MoE rules the config alone cannot show (the model's actual layers), each with its fix."""
+def plan_problems(moes: list[MoE], config: Any, *, pp: int, tp: int, ep: int, sequence_parallel: bool) -> list[str]:
+    """MoE rules a plan's degrees must meet that the config alone cannot show (the model's actual
+    layers: a user may swap in `MoE` layers a config does not describe), each with its fix."""
     problems = []
-    if moes and plan.pp > 1 and getattr(config, "output_router_logits", False):
+    if moes and pp > 1 and getattr(config, "output_router_logits", False):
         problems.append(
-            f"pp={plan.pp} with output_router_logits=true: HF's auxiliary loss pools router statistics over all "
+            f"pp={pp} with output_router_logits=true: HF's auxiliary loss pools router statistics over all "
             f"layers, which pipelining puts on different ranks; fix: config.output_router_logits=false (and, "
             f"for balancing, a per-layer aux_loss_coef or bias_update_rate on the MoE layers)"
         )
-    if plan.ep > 1 and not moes:
+    if ep > 1 and not moes:
         problems.append(
-            f"ep={plan.ep}: the model has no meshkit MoE layers to shard; fix: ep=1, or swap its MLPs for "
+            f"ep={ep}: the model has no meshkit MoE layers to shard; fix: ep=1, or swap its MLPs for "
             f"meshkit.MoE layers (HF Mixtral / Qwen3-MoE blocks are converted automatically)"
         )
-    if moes and expert_split_problem(plan.ep, moes[0].num_experts):
-        problems.append(expert_split_problem(plan.ep, moes[0].num_experts))
-    if moes and plan.tp > 1 and not plan.sequence_parallel:
+    if moes and expert_split_problem(ep, moes[0].num_experts):
+        problems.append(expert_split_problem(ep, moes[0].num_experts))
+    if moes and tp > 1 and not sequence_parallel:
         problems.append(
-            f"tp={plan.tp} with MoE layers needs sequence_parallel=true: TP ranks route their own sequence shard "
+            f"tp={tp} with MoE layers needs sequence_parallel=true: TP ranks route their own sequence shard "
             f"(experts are never split by TP); fix: sequence_parallel=true"
         )
     return problems
