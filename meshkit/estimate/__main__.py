@@ -16,7 +16,7 @@ from meshkit.plan import Plan
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    parser = build_parser(__doc__.split("\n\n")[0])
+    parser = build_parser(__doc__.split("\n\n")[0], prog="python -m meshkit.estimate")
     parser.add_argument("--plan", default="", help='e.g. "tp=8,dp_shard=-1" (meshkit.Plan.from_string)')
     parser.add_argument("--mbs", type=int, default=1, help="sequences per microbatch per data-parallel rank")
     parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (overrides the plan)")

@@ -114,9 +114,9 @@ def parse_tokens(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def build_parser(description: str = "") -> argparse.ArgumentParser:
+def build_parser(description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
     """The command-line flags shared by `python -m meshkit.estimate` and `python -m meshkit.plan_search`."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), config.json or dir")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")

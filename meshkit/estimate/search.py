@@ -203,7 +203,8 @@ def render(result: SearchResult, limit: float, world: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.")
+    parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.",
+                          prog="python -m meshkit.plan_search")
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
