@@ -17,10 +17,13 @@ into label -100. A chat source adds a module `meshkit/data/chat.py` defining a `
 `messages`, encoded with `apply_chat_template`, mask 1 on assistant tokens) and a `--chat` flag in
 `__main__` passing it as `prepare(..., source=CHAT)`; nothing else changes.
 
-Only the reading side is imported here (`TokenStore`, `PackedLoader`, `Blend`): a training process
+Only the reading side is imported here (`TokenStore`, `PackedLoader`, `PackedRows`, `BlendedRows`): a training process
 never pays for `datasets`. `prepare` lives in `meshkit.data.prepare`.
 """
 
+from meshkit.data.blend import BlendedRows
+from meshkit.data.loader import PackedLoader
+from meshkit.data.packing import PackedRows
 from meshkit.data.store import TokenStore
 
-__all__ = ["TokenStore"]
+__all__ = ["BlendedRows", "PackedLoader", "PackedRows", "TokenStore"]

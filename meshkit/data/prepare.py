@@ -30,7 +30,7 @@ from tqdm import tqdm
 from meshkit.data import sources, store
 from meshkit.data import tokenizer as tokenizers_lib
 from meshkit.data.sources import TEXT, DocumentSource
-from meshkit.data.store import FORMAT_VERSION, TokenStore, file_digest
+from meshkit.data.store import FORMAT_VERSION, TokenStore
 
 __all__ = ["PrepareResult", "prepare"]
 
@@ -218,7 +218,7 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
         "tokenizer_sha256": tokenizers_lib.tokenizer_hash(tok), "source": source.name,
         "splits": {name: {"documents": int((split_ids == code).sum()),
                           "tokens": int(lengths[split_ids == code].sum())} for name, code in store.SPLITS.items()},
-        "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": file_digest(tmp / name)} for name in names},
+        "files": store.file_entries(tmp, names),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

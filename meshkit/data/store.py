@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "SPLITS", "TokenStore", "file_digest"]
+__all__ = ["FORMAT_VERSION", "SPLITS", "TokenStore", "file_digest", "file_entries", "write_store"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -47,6 +47,47 @@ def file_digest(path: str | os.PathLike) -> str:
         while block := f.read(_CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, object]]:
+    """The manifest's `files` table: size and sha256 of each named file of a store being written."""
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+            for name in names}
+
+
+def write_store(path: str | os.PathLike, documents: list[np.ndarray], *, eos_id: int, vocab_size: int,
+                tokenizer_sha256: str = "none", split_ids: np.ndarray | None = None,
+                loss_masks: list[np.ndarray] | None = None) -> TokenStore:
+    """A store from documents already in memory (tests, generated corpora); files go through `prepare`.
+
+    Each document must end with `eos_id`; no tokenizer directory is written.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if any(len(d) == 0 or int(d[-1]) != eos_id for d in documents):
+        raise ValueError(f"write_store: every document must be non-empty and end with eos_id={eos_id}")
+    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    lengths = np.array([len(d) for d in documents], dtype=np.int64)
+    offsets = np.zeros(len(documents) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(documents) if documents else np.zeros(0)
+    flat.astype(dtype).tofile(path / TOKENS)
+    np.save(path / OFFSETS, offsets)
+    split_ids = np.zeros(len(documents), np.uint8) if split_ids is None else np.asarray(split_ids, np.uint8)
+    np.save(path / SPLIT_IDS, split_ids)
+    names = [TOKENS, OFFSETS, SPLIT_IDS]
+    if loss_masks is not None:
+        np.concatenate(loss_masks).astype(np.uint8).tofile(path / LOSS_MASK)
+        names.append(LOSS_MASK)
+    manifest = {
+        "format": FORMAT_VERSION, "dtype": dtype.name, "num_tokens": int(offsets[-1]), "num_documents": len(documents),
+        "eos_id": eos_id, "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256,
+        "splits": {k: {"documents": int((split_ids == c).sum()), "tokens": int(lengths[split_ids == c].sum())}
+                   for k, c in SPLITS.items()},
+        "files": file_entries(path, names),
+    }
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return TokenStore(path)
 
 
 @dataclass(frozen=True)

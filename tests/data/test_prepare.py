@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from meshkit.data import TokenStore
-from meshkit.data import prepare as prepare_module
+from meshkit.data import store as store_module
 from meshkit.data.__main__ import main as cli
 from meshkit.data.prepare import prepare
 from meshkit.data.sources import DocumentSource
@@ -132,7 +132,7 @@ def test_interrupted_prepare_leaves_the_old_store_and_no_temporary(corpus, tmp_p
     def boom(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(prepare_module, "file_digest", boom)
+    monkeypatch.setattr(store_module, "file_entries", boom)
     with pytest.raises(KeyboardInterrupt):
         _run([corpus], out, vocab_size=300)
     assert (out / "tokens.bin").read_bytes() == before and TokenStore(out).num_documents == 1
