@@ -12,7 +12,9 @@ survives every plan is the HF parameter name, so every item is keyed by it:
 - `optim.state.<hf name>.<key>`: the optimizer state of that parameter (AdamW: `exp_avg`,
   `exp_avg_sq`, DTensors placed like their parameter, and the scalar `step`).
 - `optim.param_groups` (hyperparameters, the current `lr` included), `scheduler`, `meshkit` (step,
-  `extra`, plan, world size, format version): pickled objects written once, by rank 0.
+  `extra`, the data loader's state, plan, world size, format version): pickled objects written once,
+  by rank 0. A `meshkit.data.PackedLoader`'s state is the same on every rank and independent of the
+  plan (its position is a global sample index), so one copy resumes any dp size.
 - `rng.rank<r>`: every rank's torch CPU (and CUDA) generator state, written by that rank.
 
 A load validates the checkpoint's metadata against the model on every rank before the first
@@ -54,12 +56,12 @@ _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *,
-         scheduler: Any = None, step: int = 0, extra: Any = None) -> None:
+         scheduler: Any = None, step: int = 0, extra: Any = None, data: Any = None) -> None:
     """Write a checkpoint of model, optimizer, scheduler, step, `extra` and RNG states to directory `path`.
 
-    Collective: every rank calls it. `extra` (e.g. a data-loader position) is any picklable object and
-    is saved once, from rank 0, like `step`; per-rank data positions belong in a deterministic
-    function of (step, data rank), as in the recipe's loader.
+    Collective: every rank calls it. `extra` is any picklable object and is saved once, from rank 0,
+    like `step`. `data`: a loader with `state_dict()` (a `meshkit.data.PackedLoader`), whose state is
+    rank-independent by design and saved once too; `load(..., data=loader)` restores it.
     """
     state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm)}
     for name, param in _optimizer_params(pm, optimizer):
@@ -70,21 +72,25 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
         state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         if scheduler is not None:
             state[SCHEDULER] = scheduler.state_dict()
-        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra, "plan": pm.plan.to_dict(),
+        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra,
+                       "data": None if data is None else data.state_dict(), "plan": pm.plan.to_dict(),
                        "world_size": _world_size(), "torch": torch.__version__}
     state[f"{RNG}{rank}"] = _rng_state()
     dcp.save(state, checkpoint_id=path, planner=_save_planner())
 
 
 @torch.no_grad()
-def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None) -> dict[str, Any]:
+def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+         data: Any = None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` under any plan and world size; return its step and `extra`.
 
     Call on every rank after `parallelize` (a meta-device model is materialised here) and after the
     optimizer and scheduler are constructed as for a fresh run. Returns `{"step", "extra",
     "rng_restored"}`. RNG states are restored only when the world size and the plan equal the saved
-    ones (a rank's generator means nothing to a different layout). Raises ValueError on every rank,
-    before any collective, when the checkpoint does not fit the model or the optimizer.
+    ones (a rank's generator means nothing to a different layout). `data`: a loader saved with
+    `save(..., data=)`, repositioned at the saved point (its `state_problems` are checked with the
+    rest). Raises ValueError on every rank, before any collective, when the checkpoint does not fit the
+    model, the optimizer or the loader.
     """
     metadata = _read_metadata(path)
     entries = metadata.state_dict_metadata
@@ -104,6 +110,11 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
                         f"{len(optimizer.param_groups)}; fix: build the optimizer as the saving run did")
     if scheduler is not None and SCHEDULER not in small:
         problems.append("a scheduler was passed but the checkpoint holds no scheduler state; fix: scheduler=None")
+    if data is not None:
+        if info.get("data") is None:
+            problems.append("a data loader was passed but the checkpoint holds no loader state; fix: data=None")
+        else:
+            problems.extend(data.state_problems(info["data"]))
     _raise(path, problems)
 
     pm.materialise()
@@ -129,6 +140,8 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
         scheduler.load_state_dict(small[SCHEDULER])
     if rng_key in state:
         _set_rng_state(state[rng_key])
+    if data is not None:
+        data.load_state_dict(info["data"])
     return {"step": info["step"], "extra": info["extra"], "rng_restored": rng_key in state}
 
 
