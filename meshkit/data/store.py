@@ -178,17 +178,22 @@ class TokenStore:
         """Tokens of document `index` (ending with EOS), as a read-only view of the memory map."""
         return self.tokens[int(self.offsets[index]):int(self.offsets[index + 1])]
 
+    def unigram_distribution(self, split: str = "train") -> np.ndarray:
+        """Frequency of each token id in the split (float64 [vocab_size], sums to 1)."""
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for start, stop in self._token_ranges(split):
+            for lo in range(start, stop, _CHUNK):
+                counts += np.bincount(self.tokens[lo:min(lo + _CHUNK, stop)], minlength=self.vocab_size)
+        return counts / max(counts.sum(), 1)
+
     def unigram_entropy(self, split: str = "train") -> float:
         """Entropy in nats of the split's token frequencies: the loss of the best context-free predictor.
 
         A language model that learned anything beyond token frequencies sits below it; the demo prints
         both so a user sees the model used the context.
         """
-        counts = np.zeros(self.vocab_size, dtype=np.int64)
-        for start, stop in self._token_ranges(split):
-            for lo in range(start, stop, _CHUNK):
-                counts += np.bincount(self.tokens[lo:min(lo + _CHUNK, stop)], minlength=self.vocab_size)
-        p = counts[counts > 0] / max(counts.sum(), 1)
+        p = self.unigram_distribution(split)
+        p = p[p > 0]
         return float(-(p * np.log(p)).sum())
 
     def _token_ranges(self, split: str) -> list[tuple[int, int]]:
