@@ -26,6 +26,7 @@ from meshkit import mesh as mesh_lib
 from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.expert_parallel import MoE, apply_expert_parallel
+from meshkit.inference import refuse_hf_forward
 from meshkit.models import llama
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
@@ -65,6 +66,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
                                            tied=parts.tied, param_dtype=plan.param_dtype,
                                            reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard)
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
+    refuse_hf_forward(model)
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
                                                     tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from meshkit import generation, inference
 from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.mesh import axis
@@ -77,6 +78,11 @@ class ParallelModel:
         self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
         # HF MoE models add their load-balancing loss only when the config asks (output_router_logits).
         self._hf_aux = bool(getattr(model.config, "output_router_logits", False)) and moe_models.is_moe_model(model)
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """This rank's stage modules by global stage index (one per rank without virtual stages)."""
+        return dict(self._stages)
 
     @property
     def tied_aliases(self) -> dict[str, str]:
@@ -195,6 +201,34 @@ class ParallelModel:
         for part in self.model_parts:
             reshard_fsdp(part)
         return self._global_loss(share)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                gather: bool = False) -> torch.Tensor:
+        """Logits [B, S, vocab] (fp32, no gradients) of this data rank's batch, equal to the single-device
+        model's, on every rank of every plan.
+
+        Any sequence length works (padded internally to what cp/SP need); context shards come back
+        gathered in token order; under pp the last stage's logits are broadcast to every pipeline
+        rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
+        tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
+        Collective over the whole mesh: every rank calls it. See `meshkit.inference`.
+        """
+        return inference.forward(self, input_ids, position_ids, gather=gather)
+
+    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
+                 seed: int = 0) -> torch.Tensor:
+        """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
+
+        temperature 0 is greedy, token for token what HF's `generate(do_sample=False)` gives on the
+        single-device model (same eos/pad handling: finished rows are padded with `pad_token_id`,
+        default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
+        samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
+        used under every plan except cp > 1, where each step recomputes the whole sequence. Every
+        rank calls it with the same `max_new_tokens`; see `meshkit.generation`.
+        """
+        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
 
     def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float) -> torch.Tensor:
         """Run this rank's part of `schedule` over `pp_microbatches` slices of the batch's rows."""
