@@ -7,6 +7,8 @@ these, only this file changes.
 from __future__ import annotations
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -203,3 +205,21 @@ def torch_pipeline_order(schedule):
     entries are private `_Action`s), or None; the pipeline benchmark replays them in meshkit's simulator."""
     order = getattr(schedule, "pipeline_order", None)
     return order if isinstance(order, dict) else None
+
+
+def dcp_async_save(state, checkpoint_id: str, planner, group):
+    """`torch.distributed.checkpoint.async_save` (marked experimental) as a plain Future of the upload.
+
+    torch returns a Future, or an `AsyncSaveResponse` whose `upload_completion` is that Future when
+    its stager stages asynchronously; callers only wait for the files.
+    """
+    result = dcp.async_save(state, checkpoint_id=checkpoint_id, planner=planner, process_group=group)
+    return getattr(result, "upload_completion", result)
+
+
+def default_store():
+    """The store the default process group rendezvoused with (the heartbeat's channel), or None."""
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
