@@ -29,4 +29,9 @@ def memory_problems(plan: Any) -> list[str]:
         problems.append(f"grad_sync={plan.grad_sync!r}: must be one of {GRAD_SYNC}")
     if plan.offload not in OFFLOAD:
         problems.append(f"offload={plan.offload!r}: must be one of {OFFLOAD}")
+    elif plan.offload == "params" and zero in (1, 2):
+        problems.append(
+            f"offload='params' with zero={zero}: ZeRO-{zero} keeps the gathered parameters on the device through "
+            f"forward and backward, so they cannot live on the host; fix: offload='optimizer' (master weights, "
+            f"gradients and optimizer state on the host), or zero=3")
     return problems
