@@ -34,6 +34,7 @@ from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
 from meshkit.plan import Plan, PlanError
 from meshkit.tensor_parallel import apply_tensor_parallel
+from meshkit.zero.offload import offload_policy
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
@@ -60,11 +61,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         if plan.compile:
             block.compile()
     stages = build_stages(parts, blocks, split.ranges, split.stage_ids, context_parallel)
-    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
+    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate,
+                                        plan.param_dtype) or plan.offload != "none"
     if use_fsdp:
         data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
                                            tied=parts.tied, param_dtype=plan.param_dtype,
-                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard)
+                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard,
+                                           offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
     refuse_hf_forward(model)
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),

@@ -19,6 +19,7 @@ from typing import Any
 
 from meshkit.context_parallel.sharding import required_multiple
 from meshkit.plan_rules import cp_problems, model_problems, pp_problems
+from meshkit.zero.rules import memory_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +69,10 @@ class Plan:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_split: tuple[int, ...] = ()
+    # Memory (docs/memory.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
+    zero: int = 3
+    grad_sync: str = "every_microbatch"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -104,6 +109,7 @@ class Plan:
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
+        problems += memory_problems(self)
         _raise(problems)
 
     # ------------------------------------------------------------------ sizes
@@ -186,7 +192,10 @@ class Plan:
     @property
     def fsdp_reshard(self) -> bool:
         """Whether FSDP frees gathered parameters after forward: `reshard_after_forward`, by default yes
-        unless pipelining, whose microbatches would otherwise re-gather them once each."""
+        unless pipelining, whose microbatches would otherwise re-gather them once each; never under
+        ZeRO-1/2, whose parameters stay replicated through forward and backward."""
+        if self.zero < 3:
+            return False
         return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
     @property
