@@ -151,11 +151,14 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> Dev
 
 
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
-    """How every attention layer splits its sequence over the cp axis (USP: a Ulysses x ring grid)."""
-    if plan.cp_attention == "usp":
+    """How every attention layer splits its sequence over the cp axis (USP, and the all-gather kind with
+    cp_ulysses > 1: a Ulysses x outer grid). dK/dV travel in the plan's reduce dtype."""
+    grad_dtype = data_parallel.DTYPES[plan.reduce_dtype]
+    if plan.cp_attention == "usp" or (plan.cp_attention == "allgather" and plan.cp_ulysses > 1):
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
-        return ContextParallelAttention("usp", plan.cp_layout, ulysses_group=ulysses_group, ring_group=ring_group)
-    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"])
+        return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
+                                        ring_group=ring_group, grad_dtype=grad_dtype)
+    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype)
 
 
 def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:

@@ -28,7 +28,7 @@ else:  # pragma: no cover
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
-CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
+CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -201,14 +201,15 @@ class Plan:
     @property
     def cp_layout(self) -> str:
         """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
-        return "zigzag" if self.cp_attention in ("zigzag", "usp") else "contiguous"
+        return "zigzag" if self.cp_attention in ("zigzag", "allgather", "usp") else "contiguous"
 
     @property
     def ulysses_degree(self) -> int:
-        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP)."""
+        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP and
+        the all-gather kind's 2D variant)."""
         if self.cp_attention == "ulysses":
             return self.cp
-        return self.cp_ulysses if self.cp_attention == "usp" else 1
+        return self.cp_ulysses if self.cp_attention in ("usp", "allgather") else 1
 
     def seq_multiple(self) -> int:
         """Sequence lengths must be a multiple of this: cp's layout times the SP split of each cp shard."""
