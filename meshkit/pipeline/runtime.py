@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat import fsdp_post_backward
+from meshkit.pipeline.actions import Action, ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
-from meshkit.pipeline.schedules import Action, ActionKind, Schedule
 from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
 
