@@ -32,6 +32,7 @@ from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
+from meshkit.pipeline.schedules import stage_placement
 from meshkit.plan import Plan, PlanError
 from meshkit.tensor_parallel import apply_tensor_parallel
 from meshkit.zero.offload import offload_policy
@@ -117,14 +118,15 @@ def _apply_pipeline_split(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> _Pi
     head, answering to the embedding's name, and the first/last-stage pair sums the two gradients.
     """
     parts = llama.parts(model)
-    num_stages = plan.pp * plan.pp_virtual_stages
+    num_stages = plan.pp * plan.pp_stages_per_rank if plan.pp > 1 else 1
     ranges = pipeline_split.split_layers(len(parts.blocks), num_stages, plan.pp_split or None)
-    stage_ids = (list(range(num_stages)) if plan.pp == 1 else
-                 pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), plan.pp, plan.pp_virtual_stages))
+    placement = stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
+    stage_ids = pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), placement)
     aliases, group = {}, None
-    if plan.pp > 1 and parts.tied:  # embedding and head on different ranks: each holds a copy
+    if plan.pp > 1 and parts.tied:  # embedding and head in different stage modules: each holds a copy
         aliases = llama.untie_for_pipeline(model, keep_copy=num_stages - 1 in stage_ids)
-        group = mesh_lib.first_last_stage_group(mesh)
+        # Under a V placement both copies live on rank 0 and their gradients are summed there, locally.
+        group = mesh_lib.first_last_stage_group(mesh) if placement[0] != placement[-1] else None
         parts = llama.parts(model)
     for module in pipeline_split.modules_not_held(parts, ranges, stage_ids):
         module.to("meta")  # another pipeline rank's layers: keep the names, free the memory

@@ -30,7 +30,7 @@ from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import summed_per_call
+from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
 from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
 from meshkit.zero import stages as zero_stages
 
@@ -44,7 +44,7 @@ class Sharded:
     reduce_tp_grads: bool = False  # TP without FSDP: place gradients like their parameters after backward
     tp_summed_params: tuple[nn.Parameter, ...] = ()  # MoE weights every TP rank holds whole: summed over tp
     tied_aliases: Mapping[str, str] = field(default_factory=dict)  # pp > 1: {LM head copy: embedding}
-    tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies
+    tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies (None: one rank)
 
 
 class ParallelModel:
@@ -165,6 +165,7 @@ class ParallelModel:
         aux = None
         with summed_per_call(self._tp_summed_params, self._tp_group), \
                 summed_per_call(self._tied_params, self._tied_group), \
+                copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
                 loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
                 share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)

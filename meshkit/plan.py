@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.context_parallel.sharding import required_multiple
+from meshkit.pipeline.schedules import SCHEDULES as PP_SCHEDULES
+from meshkit.pipeline.schedules import stages_per_rank
 from meshkit.plan_rules import cp_problems, model_problems, pp_problems
 from meshkit.zero.rules import memory_problems
 
@@ -29,7 +31,6 @@ else:  # pragma: no cover
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
 CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -184,10 +185,16 @@ class Plan:
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per pipeline step (`pp_microbatches`, defaulting to pp; 1 without pipelining)."""
+        """Microbatches per pipeline step (`pp_microbatches`, defaulting to the stage count; 1 without pipelining)."""
         if self.pp_microbatches is not None:
             return self.pp_microbatches
-        return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
+        return self.pp * self.pp_stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Stages each pipeline rank holds: `pp_virtual_stages`, but always two under the V schedules
+        (zb_v, dualpipe_v), whose placement is the V itself."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages)
 
     @property
     def fsdp_reshard(self) -> bool:
