@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from meshkit.expert_parallel import expert_split_problem
+from meshkit.models import roles
 from meshkit.models.moe import moe_spec
 
 if TYPE_CHECKING:
@@ -94,11 +95,12 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
         return [f"model config {type(config).__name__} lacks {missing}: meshkit supports Llama-family "
                 f"decoder configs (Llama, Qwen2/3, Mistral); fix: pass such a model"]
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     tp = plan.tp
     if tp > 1:
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                            ("intermediate_size", config.intermediate_size)):
+        heads_problem = roles.tp_degree_problem(config, tp)
+        if heads_problem:
+            problems.append(heads_problem)
+        for name, value in (("intermediate_size", config.intermediate_size),):
             if value % tp:
                 divisors = [d for d in range(1, value + 1) if value % d == 0]
                 problems.append(
