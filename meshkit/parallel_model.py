@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshkit import generation, inference
+from meshkit.data.loader import PackedLoader, check_fits_model
+from meshkit.data.store import TokenStore
 from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.mesh import axis
@@ -125,6 +127,18 @@ class ParallelModel:
     def eval(self) -> ParallelModel:
         """Switch every part to eval mode."""
         return self.train(False)
+
+    def dataloader(self, store: TokenStore | Mapping[str, TokenStore], *, seq_len: int, global_batch: int,
+                   **kwargs) -> PackedLoader:
+        """A `meshkit.data.PackedLoader` feeding this model: dp rank and size from the mesh.
+
+        Checks first, on every rank alike, that the store's vocabulary fits the embedding and that
+        `seq_len` is within `max_position_embeddings`. `global_batch` counts rows over all dp ranks;
+        other keywords (seed, split, pack, weights, prefetch) go to the loader.
+        """
+        check_fits_model(store, seq_len, self.model.config)
+        return PackedLoader(store, seq_len=seq_len, global_batch=global_batch, dp_rank=self.dp_rank,
+                            dp_size=self.dp_size, **kwargs)
 
     # ------------------------------------------------------------ the step
     def count_valid_tokens(self, labels: torch.Tensor) -> int:

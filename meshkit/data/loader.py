@@ -28,10 +28,31 @@ from meshkit.data.blend import BlendedRows
 from meshkit.data.packing import PackedRows
 from meshkit.data.store import TokenStore
 
-__all__ = ["PackedLoader"]
+__all__ = ["PackedLoader", "check_fits_model"]
 
 STATE_FORMAT = 1
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_fits_model(store: TokenStore | Mapping[str, TokenStore], seq_len: int, config: Any) -> None:
+    """ValueError naming both sides when rows of `seq_len` from `store` cannot feed a model of `config`.
+
+    A token id past the embedding's rows would fail deep inside the first forward (or, on a GPU,
+    corrupt memory), and positions past `max_position_embeddings` extrapolate the rotary embedding
+    silently; both are known before the first step.
+    """
+    stores = {"store": store} if isinstance(store, TokenStore) else dict(store)
+    problems = []
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        problems.append(f"seq_len={seq_len} is above the model's max_position_embeddings={limit}; fix: seq_len <= {limit}")
+    for s in stores.values():
+        if s.vocab_size > config.vocab_size:
+            problems.append(f"token store {str(s.path)!r} has a vocabulary of {s.vocab_size} tokens, the model's "
+                            f"embedding {config.vocab_size} rows; fix: a store made with the model's own tokenizer "
+                            "(prepare --tokenizer <model dir>)")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 class PackedLoader:

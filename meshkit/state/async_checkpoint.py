@@ -47,14 +47,15 @@ class AsyncCheckpointer:
 
     def save(self, path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *,
              scheduler: Any = None, step: int = 0, extra: Any = None, run_id: str | None = None,
-             global_batch: int | None = None) -> None:
+             global_batch: int | None = None, data: Any = None) -> None:
         """Start a save of what `checkpoint.save` saves; returns once the state is staged (copied).
 
         Collective. Waits for the previous save first. The same refusals as `checkpoint.save`
         (existing path, non-finite state) raise here, before anything is written.
         """
         self.wait()
-        state = checkpoint.state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id)
+        state = checkpoint.state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id,
+                                      data=data)
         final, partial = atomic.begin(path)
         upload = _compat.dcp_async_save(state, partial, checkpoint.save_planner(), self._group)
         description = checkpoint.record(pm, step, run_id, global_batch)

@@ -12,7 +12,9 @@ survives every plan is the HF parameter name, so every item is keyed by it:
 - `optim.state.<hf name>.<key>`: the optimizer state of that parameter (AdamW: `exp_avg`,
   `exp_avg_sq`, DTensors placed like their parameter, and the scalar `step`).
 - `optim.param_groups` (hyperparameters, the current `lr` included), `scheduler`, `meshkit` (step,
-  `extra`, plan, world size, format version): pickled objects written once, by rank 0.
+  `extra`, the data loader's state, plan, world size, format version): pickled objects written once,
+  by rank 0. A `meshkit.data.PackedLoader`'s state is the same on every rank and independent of the
+  plan (its position is a global sample index), so one copy resumes any dp size.
 - `rng.rank<r>`: every rank's torch CPU (and CUDA) generator state, written by that rank.
 
 Saving is atomic (`atomic`: a hidden temporary directory renamed once complete) and every checkpoint
@@ -61,7 +63,7 @@ _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *,
          scheduler: Any = None, step: int = 0, extra: Any = None, run_id: str | None = None,
-         global_batch: int | None = None) -> str:
+         global_batch: int | None = None, data: Any = None) -> str:
     """Write a checkpoint of model, optimizer, scheduler, step, `extra` and RNG states to directory `path`.
 
     Collective: every rank calls it. Atomic: the files go to a hidden temporary directory that is
@@ -69,9 +71,11 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
     plan, `global_batch`, a checksum per file) are on disk, so `path` never holds half a checkpoint.
     Refused (ValueError on every rank, nothing written) when `path` already holds files, or when any
     parameter or optimizer state is non-finite. `extra` (e.g. a data-loader position) is any
-    picklable object saved once, from rank 0, like `step`. Returns `path`.
+    picklable object saved once, from rank 0, like `step`. `data`: a loader with `state_dict()` (a
+    `meshkit.data.PackedLoader`), whose state is rank-independent by design and saved once too;
+    `load(..., data=loader)` restores it. Returns `path`.
     """
-    state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id)
+    state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id, data=data)
     final, partial = atomic.begin(path)
     dcp.save(state, checkpoint_id=partial, planner=save_planner())
     atomic.publish_everywhere(partial, final, record(pm, step, run_id, global_batch))
@@ -79,7 +83,7 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
 
 
 def state_dict(pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None, step: int = 0,
-               extra: Any = None, run_id: str | None = None) -> dict[str, Any]:
+               extra: Any = None, run_id: str | None = None, data: Any = None) -> dict[str, Any]:
     """What `save` hands DCP, keyed by HF names; refused when any tensor in it is non-finite.
 
     The finiteness check is collective (one all-reduce): a NaN on one rank's shard must stop every
@@ -95,7 +99,8 @@ def state_dict(pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler
         state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         if scheduler is not None:
             state[SCHEDULER] = scheduler.state_dict()
-        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra, "plan": pm.plan.to_dict(),
+        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra,
+                       "data": None if data is None else data.state_dict(), "plan": pm.plan.to_dict(),
                        "world_size": _world_size(), "torch": torch.__version__, "run_id": run_id}
     state[f"{RNG}{rank}"] = _rng_state()
     return state
@@ -121,14 +126,17 @@ def _non_finite(state: dict[str, Any], step: int) -> str | None:
 
 
 @torch.no_grad()
-def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None) -> dict[str, Any]:
+def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+         data: Any = None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` under any plan and world size; return its step and `extra`.
 
     Call on every rank after `parallelize` (a meta-device model is materialised here) and after the
     optimizer and scheduler are constructed as for a fresh run. Returns `{"step", "extra",
     "rng_restored"}`. RNG states are restored only when the world size and the plan equal the saved
-    ones (a rank's generator means nothing to a different layout). Raises ValueError on every rank,
-    before any collective, when the checkpoint does not fit the model or the optimizer.
+    ones (a rank's generator means nothing to a different layout). `data`: a loader saved with
+    `save(..., data=)`, repositioned at the saved point (its `state_problems` are checked with the
+    rest). Raises ValueError on every rank, before any collective, when the checkpoint does not fit the
+    model, the optimizer or the loader.
     """
     metadata = _read_metadata(path)
     damaged = manifest.problems(path, checksums=False)  # sizes only: every rank reads its own bytes next
@@ -152,6 +160,11 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
                         f"{len(optimizer.param_groups)}; fix: build the optimizer as the saving run did")
     if scheduler is not None and SCHEDULER not in small:
         problems.append("a scheduler was passed but the checkpoint holds no scheduler state; fix: scheduler=None")
+    if data is not None:
+        if info.get("data") is None:
+            problems.append("a data loader was passed but the checkpoint holds no loader state; fix: data=None")
+        else:
+            problems.extend(data.state_problems(info["data"]))
     _raise(path, problems)
 
     pm.materialise()
@@ -177,6 +190,8 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
         scheduler.load_state_dict(small[SCHEDULER])
     if rng_key in state:
         _set_rng_state(state[rng_key])
+    if data is not None:
+        data.load_state_dict(info["data"])
     return {"step": info["step"], "extra": info["extra"], "rng_restored": rng_key in state}
 
 
