@@ -255,9 +255,11 @@ def train(run: RunConfig) -> dict[str, float]:
             torch.cuda.synchronize()
         start = time.perf_counter()
         denominator = sum(pm.count_valid_tokens(labels) for _, labels in batches)
-        # Each call returns its share of the window's loss (same denominator), so the shares add up.
-        loss = sum(pm.forward_backward(input_ids, labels, loss_denominator=denominator)
-                   for input_ids, labels in batches)
+        # Each call returns its share of the window's loss (same denominator), so the shares add up;
+        # CE and the MoE router auxiliary terms come back apart (`parts`) and are logged apart.
+        calls = [pm.forward_backward(input_ids, labels, loss_denominator=denominator, parts=True)
+                 for input_ids, labels in batches]
+        loss, ce, aux = (sum(terms) for terms in zip(*calls))
         grad_norm = pm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -275,7 +277,7 @@ def train(run: RunConfig) -> dict[str, float]:
         tps = metrics.tokens_per_s_per_device(global_tokens, step_s, world)
         mem, mem_label = metrics.peak_memory()
         values = {
-            "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
+            "loss": loss_value, **({"ce": float(ce), "aux": float(aux)} if float(aux) else {}), "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
             "tokens_per_s_per_device": tps, "mfu": metrics.mfu(fpt.model, tps, peak),
             "hfu": metrics.mfu(fpt.hardware, tps, peak) if fpt.recompute else None,
             f"{'max_alloc' if mem_label.startswith('cuda') else 'peak_rss'}_gib": mem / 2**30,
