@@ -7,6 +7,7 @@ these, only this file changes.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
@@ -223,3 +224,16 @@ def default_store():
         return distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """All-gather into one tensor (ranks' inputs concatenated on dim 0): torch 2.13 renamed
+    `all_gather_into_tensor` to `all_gather_single` and deprecates the old name; 2.11 has only that."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """Summing reduce-scatter of one tensor (dim 0 split over ranks), under either torch's name."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from meshkit import generation, inference
 from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.mesh import axis
@@ -29,8 +30,9 @@ from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import summed_per_call
+from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
 from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
+from meshkit.zero import stages as zero_stages
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Sharded:
     reduce_tp_grads: bool = False  # TP without FSDP: place gradients like their parameters after backward
     tp_summed_params: tuple[nn.Parameter, ...] = ()  # MoE weights every TP rank holds whole: summed over tp
     tied_aliases: Mapping[str, str] = field(default_factory=dict)  # pp > 1: {LM head copy: embedding}
-    tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies
+    tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies (None: one rank)
 
 
 class ParallelModel:
@@ -60,6 +62,8 @@ class ParallelModel:
         self._schedule = (build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
                           if plan.pp > 1 else None)
         self._eval_schedule = forward_only(self._schedule) if self._schedule is not None else None
+        self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
+        self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self.check_inputs = True
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
@@ -77,6 +81,11 @@ class ParallelModel:
         self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
         # HF MoE models add their load-balancing loss only when the config asks (output_router_logits).
         self._hf_aux = bool(getattr(model.config, "output_router_logits", False)) and moe_models.is_moe_model(model)
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """This rank's stage modules by global stage index (one per rank without virtual stages)."""
+        return dict(self._stages)
 
     @property
     def tied_aliases(self) -> dict[str, str]:
@@ -135,6 +144,7 @@ class ParallelModel:
         *,
         position_ids: torch.Tensor | None = None,
         loss_denominator: int | float | None = None,
+        last_microbatch: bool = True,
     ) -> torch.Tensor:
         """Forward and backward on this data rank's batch [B, S]; return the loss, gradients accumulated.
 
@@ -142,27 +152,25 @@ class ParallelModel:
         batch: token losses summed over all data ranks divided by `loss_denominator`, which defaults
         to this call's global valid-token count. Labels are unshifted (HF convention, -100 ignored).
         `position_ids` that restart at 0 mark packed documents (block-diagonal causal attention).
+
+        Under gradient accumulation pass `last_microbatch=False` to every call of a window but its
+        last: with `Plan(grad_sync="last_microbatch")` gradients then stay local until that call, and
+        ZeRO-1/2 keep the gathered parameters for the next call (docs/memory.md).
         """
+        if not isinstance(last_microbatch, bool):
+            raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
         batch = self._prepare(input_ids, labels, position_ids)
+        self._window_open = not last_microbatch
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
         aux = None
         with summed_per_call(self._tp_summed_params, self._tp_group), \
                 summed_per_call(self._tied_params, self._tied_group), \
+                copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
                 loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
-                share = self._pipeline_step(self._schedule, batch, denominator)
+                share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)
             else:
-                (stage,) = self.model_parts
-                logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
-                share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
-                aux = moe_models.hf_aux_loss(self.model) if self._hf_aux else None
-                if aux is None:
-                    share.backward()
-                else:
-                    # HF adds coef * load-balancing loss per forward; weighted by this call's share of
-                    # the window's tokens it stays the token-weighted mean under accumulation.
-                    aux = aux * (batch.valid_tokens / denominator)
-                    torch.autograd.backward([share, aux])
+                share, aux = self._step(batch, denominator, last_microbatch)
             if self._reduce_tp_grads:
                 place_grads_like_params(dtensor_params(self.model_parts))
         loss = self._global_loss(share)
@@ -172,6 +180,23 @@ class ParallelModel:
             dist.all_reduce(aux, group=axis(self.mesh, "dp_cp_tp").get_group())
             loss = loss + aux
         return loss
+
+    def _step(self, batch: LocalBatch, denominator: float, last_microbatch: bool):
+        """One stage's forward and backward (no pipelining), under the zero stage's gradient policy."""
+        (stage,) = self.model_parts
+        plan = self.plan
+        with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
+            logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
+            share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+            aux = moe_models.hf_aux_loss(self.model) if self._hf_aux else None
+            if aux is None:
+                share.backward()
+            else:
+                # HF adds coef * load-balancing loss per forward; weighted by this call's share of
+                # the window's tokens it stays the token-weighted mean under accumulation.
+                aux = aux * (batch.valid_tokens / denominator)
+                torch.autograd.backward([share, aux])
+        return share, aux
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
@@ -196,7 +221,36 @@ class ParallelModel:
             reshard_fsdp(part)
         return self._global_loss(share)
 
-    def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                gather: bool = False) -> torch.Tensor:
+        """Logits [B, S, vocab] (fp32, no gradients) of this data rank's batch, equal to the single-device
+        model's, on every rank of every plan.
+
+        Any sequence length works (padded internally to what cp/SP need); context shards come back
+        gathered in token order; under pp the last stage's logits are broadcast to every pipeline
+        rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
+        tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
+        Collective over the whole mesh: every rank calls it. See `meshkit.inference`.
+        """
+        return inference.forward(self, input_ids, position_ids, gather=gather)
+
+    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
+                 seed: int = 0) -> torch.Tensor:
+        """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
+
+        temperature 0 is greedy, token for token what HF's `generate(do_sample=False)` gives on the
+        single-device model (same eos/pad handling: finished rows are padded with `pad_token_id`,
+        default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
+        samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
+        used under every plan except cp > 1, where each step recomputes the whole sequence. Every
+        rank calls it with the same `max_new_tokens`; see `meshkit.generation`.
+        """
+        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+
+    def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
+                       last_microbatch: bool = True) -> torch.Tensor:
         """Run this rank's part of `schedule` over `pp_microbatches` slices of the batch's rows."""
         m = self.plan.microbatches
         rows_total, seq = batch.input_ids.shape
@@ -215,7 +269,9 @@ class ParallelModel:
                   for r in rows]
         losses = run_schedule(schedule, self._stages, pp_group=self._pp.get_group(),
                               microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
-                              shapes=shapes, stage_kwargs=kwargs, device=self.device)
+                              shapes=shapes, stage_kwargs=kwargs, device=self.device,
+                              reduce_grads=zero_stages.syncs_now(self.plan.grad_sync, last_microbatch),
+                              reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch))
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(t.full_tensor() if isinstance(t, DTensor) else t for t in losses)
@@ -236,12 +292,22 @@ class ParallelModel:
     # ------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
+        self._check_window_closed("clip_grad_norm_")
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups(),
                                counted=self._norm_params())
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""
+        self._check_window_closed("grad_norm")
         return total_grad_norm(self._norm_params(), norm_type, self._norm_groups())
+
+    def _check_window_closed(self, what: str) -> None:
+        """Gradients of an unfinished accumulation window may be unreduced: refuse to read them (every
+        rank made the same calls, so every rank raises)."""
+        if self._window_open:
+            raise ValueError(f"{what}: the last forward_backward passed last_microbatch=False, so its window's "
+                             "gradients may not be reduced yet; fix: pass last_microbatch=True to the window's "
+                             "last call before clipping or stepping")
 
     def _norm_params(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if id(p) not in self._not_in_norm]
