@@ -23,7 +23,7 @@ STDLIB = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib
 DEMO_CORPUS = $(addprefix $(STDLIB)/,json email http logging)
 
 demo: venv
-	$(PY) -m meshkit.data prepare $(DEMO_CORPUS) --output runs/data/stdlib --vocab-size 2048 --val-fraction 0.05 --workers 2
+	$(PY) -m meshkit.data prepare $(DEMO_CORPUS) --output runs/data/stdlib --vocab-size 512 --val-fraction 0.05 --workers 2
 	$(VENV)/bin/torchrun --nproc-per-node 8 recipes/train_llama.py --config recipes/configs/stdlib_cpu.toml
 
 # The same loop on synthetic Markov tokens (no corpus needed).
