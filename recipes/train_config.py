@@ -47,6 +47,7 @@ class TrainConfig:
     save_every: int = 0  # save a meshkit checkpoint every N steps (and at the end); 0: never
     save_dir: str = "checkpoints"  # checkpoints go to <save_dir>/step-NNNNNNNN
     resume: str = ""  # resume from the newest finished checkpoint under this directory (any plan)
+    allow_batch_change: bool = False  # resume even if global batch or seq_len differ from the checkpoint's
     export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
     eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
     eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)

@@ -35,6 +35,7 @@ from train_config import (  # the recipe's own module beside this script (the sc
 import meshkit
 from meshkit import checkpoint, metrics
 from meshkit.activation_checkpoint import moe_blocks_full
+from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -208,6 +209,10 @@ def train(run: RunConfig) -> dict[str, float]:
     else:
         pm.init_weights(cfg.seed)
     plan, world, rank = pm.plan, dist.get_world_size(), dist.get_rank()
+    seq_problem = plan.seq_len_problem(cfg.seq_len)  # at startup, not at the first step
+    if seq_problem:
+        raise ValueError(f"[train] seq_len={cfg.seq_len}: {seq_problem}")
+    record = run_record(plan, pm.dp_size, cfg.local_batch, cfg.grad_accum, cfg.seq_len)  # goes into checkpoints
 
     optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
@@ -217,7 +222,11 @@ def train(run: RunConfig) -> dict[str, float]:
         path = checkpoint.latest(cfg.resume)
         if path is None:
             raise ValueError(f"[train] resume={cfg.resume!r}: no finished checkpoint under it")
-        first_step = pm.load_checkpoint(path, optimizer, scheduler=scheduler)["step"] + 1
+        resumed = pm.load_checkpoint(path, optimizer, scheduler=scheduler)
+        problem = resume_problem(resumed["extra"], record, cfg.allow_batch_change)  # same on every rank
+        if problem:
+            raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
+        first_step = resumed["step"] + 1
         if rank == 0:
             print(f"meshkit: resumed from {path} at step {first_step}", flush=True)
     data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size)
@@ -267,7 +276,8 @@ def train(run: RunConfig) -> dict[str, float]:
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-            pm.save_checkpoint(checkpoint.step_dir(cfg.save_dir, step), optimizer, scheduler=scheduler, step=step)
+            pm.save_checkpoint(checkpoint.step_dir(cfg.save_dir, step), optimizer, scheduler=scheduler, step=step,
+                               extra=with_run_record(None, record))
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
         if prof is not None:
@@ -289,7 +299,7 @@ def train(run: RunConfig) -> dict[str, float]:
             logger.log(step, {"loss": eval_losses[step]}, prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
-        if rank == 0 and (step % cfg.log_every == 0 or step in (1, cfg.steps)):
+        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps)):
             bar.write(metrics.format_step_line(step, cfg.steps, values))
     if prof is not None:
         prof.stop()
