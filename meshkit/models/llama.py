@@ -53,6 +53,7 @@ class CausalLMParts:
     lm_head: nn.Linear
     rotary: nn.Module
     tied: bool
+    config: object = None
 
 
 def attention_dims(config) -> tuple[int, int, int]:
@@ -98,7 +99,8 @@ def parts(model: nn.Module) -> CausalLMParts:
     """The model's parts, after `check_supported`."""
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
-    return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied)
+    return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied,
+                         model.config)
 
 
 def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
