@@ -119,11 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(f"[{cls.__name__[:-6].lower()}]")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            # SUPPRESS: a flag not given leaves the preset's value alone, and --help shows the built-in
+            # default (what applies when neither the preset nor the flag sets it), not "default: None".
+            text = f"built-in default {f.default!r}; a --config preset may set another"
             if f.type in ("bool", bool):
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=text)
             else:
-                group.add_argument(flag, dest=f.name, default=None, type=_TYPES[str(f.type)],
-                                   help=f"(preset default {f.default!r})")
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, type=_TYPES[str(f.type)], help=text)
     meshkit.Plan.add_cli_args(parser)
     return parser
 

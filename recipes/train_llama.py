@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from train_config import (  # the recipe's own module beside this script (the sc
     build_parser,
     load_config,
 )
+from transformers.utils import logging as hf_logging
 
 import meshkit
 from meshkit import heartbeat, metrics
@@ -272,7 +274,9 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0, dynamic_ncols=True, desc="train")
+    # A bar only on a terminal: piped into a log (make demo), it would interleave with the step lines.
+    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0 or not sys.stderr.isatty(),
+               dynamic_ncols=True, desc="train")
     prof = _profiler(cfg.profile, log_dir / "profile", cfg.steps)
     if prof is not None:
         prof.start()
@@ -362,8 +366,16 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     return summary
 
 
+def _warn_once() -> None:
+    """Library warnings (torch, transformers) from rank 0 only: every rank would print the same ones."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        warnings.simplefilter("ignore")
+        hf_logging.set_verbosity_error()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _warn_once()
     try:
         preflight.check_config_file(args.config)
         run = apply_cli(load_config(args.config), args)
