@@ -163,6 +163,7 @@ def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
     assert killed is not None, "the run ended before a worker could be killed:\n" + (output or "")[-3000:]
     assert launcher.returncode == 0, output[-4000:]
     assert "meshkit: resumed from" in output and f"{save_dir}/step-0000000" in output, output[-4000:]
+    assert output.count("meshkit: collective timeout 120 s, heartbeat 30 s") == 2  # [train] timeout_s, per launch
 
     assert _final_loss(logs) == _final_loss(ref_logs) == reference["last_loss"]
     ours, theirs = _tensors(save_dir / "step-00000009", tmp_path), _tensors(ref_dir / "step-00000009", tmp_path)
