@@ -237,3 +237,15 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> N
     """Summing reduce-scatter of one tensor (dim 0 split over ranks), under either torch's name."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+def collective_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds as its CPU backend holds it, or None.
+
+    Read back (not taken from the config) so a log line shows the timeout really in force.
+    """
+    try:
+        backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

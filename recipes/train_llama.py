@@ -200,6 +200,10 @@ def train(run: RunConfig) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     ensure_process_group(timeout_s=cfg.timeout_s)
     beat = _start_heartbeat(cfg)
+    if _rank() == 0:
+        timeout = heartbeat.collective_timeout_s()
+        print(f"meshkit: collective timeout {'unknown' if timeout is None else f'{timeout:.0f} s'}, heartbeat "
+              f"{f'{cfg.heartbeat_s:g} s' if beat is not None else 'off'}", flush=True)
     try:
         return _train(run, model_config, ckpt_dir, load_weights, beat)
     finally:
