@@ -26,6 +26,7 @@ from meshkit import mesh as mesh_lib
 from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.expert_parallel import MoE, apply_expert_parallel
+from meshkit.inference import refuse_hf_forward
 from meshkit.models import llama
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
@@ -34,6 +35,7 @@ from meshkit.pipeline import split as pipeline_split
 from meshkit.pipeline.schedules import stage_placement
 from meshkit.plan import Plan, PlanError
 from meshkit.tensor_parallel import apply_tensor_parallel
+from meshkit.zero.offload import offload_policy
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
@@ -60,12 +62,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         if plan.compile:
             block.compile()
     stages = build_stages(parts, blocks, split.ranges, split.stage_ids, context_parallel)
-    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
+    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate,
+                                        plan.param_dtype) or plan.offload != "none"
     if use_fsdp:
         data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
                                            tied=parts.tied, param_dtype=plan.param_dtype,
-                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard)
+                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard,
+                                           offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
+    refuse_hf_forward(model)
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
                                                     tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,
@@ -148,11 +153,14 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> Dev
 
 
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
-    """How every attention layer splits its sequence over the cp axis (USP: a Ulysses x ring grid)."""
-    if plan.cp_attention == "usp":
+    """How every attention layer splits its sequence over the cp axis (USP, and the all-gather kind with
+    cp_ulysses > 1: a Ulysses x outer grid). dK/dV travel in the plan's reduce dtype."""
+    grad_dtype = data_parallel.DTYPES[plan.reduce_dtype]
+    if plan.cp_attention == "usp" or (plan.cp_attention == "allgather" and plan.cp_ulysses > 1):
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
-        return ContextParallelAttention("usp", plan.cp_layout, ulysses_group=ulysses_group, ring_group=ring_group)
-    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"])
+        return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
+                                        ring_group=ring_group, grad_dtype=grad_dtype)
+    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype)
 
 
 def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:

@@ -21,6 +21,7 @@ from meshkit.context_parallel.sharding import required_multiple
 from meshkit.pipeline.schedules import SCHEDULES as PP_SCHEDULES
 from meshkit.pipeline.schedules import stages_per_rank
 from meshkit.plan_rules import cp_problems, model_problems, pp_problems
+from meshkit.zero.rules import memory_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,7 +30,7 @@ else:  # pragma: no cover
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
-CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
+CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -69,6 +70,10 @@ class Plan:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_split: tuple[int, ...] = ()
+    # Memory (docs/memory.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
+    zero: int = 3
+    grad_sync: str = "every_microbatch"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -105,6 +110,7 @@ class Plan:
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
+        problems += memory_problems(self)
         _raise(problems)
 
     # ------------------------------------------------------------------ sizes
@@ -193,20 +199,24 @@ class Plan:
     @property
     def fsdp_reshard(self) -> bool:
         """Whether FSDP frees gathered parameters after forward: `reshard_after_forward`, by default yes
-        unless pipelining, whose microbatches would otherwise re-gather them once each."""
+        unless pipelining, whose microbatches would otherwise re-gather them once each; never under
+        ZeRO-1/2, whose parameters stay replicated through forward and backward."""
+        if self.zero < 3:
+            return False
         return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
     @property
     def cp_layout(self) -> str:
         """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
-        return "zigzag" if self.cp_attention in ("zigzag", "usp") else "contiguous"
+        return "zigzag" if self.cp_attention in ("zigzag", "allgather", "usp") else "contiguous"
 
     @property
     def ulysses_degree(self) -> int:
-        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP)."""
+        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP and
+        the all-gather kind's 2D variant)."""
         if self.cp_attention == "ulysses":
             return self.cp
-        return self.cp_ulysses if self.cp_attention == "usp" else 1
+        return self.cp_ulysses if self.cp_attention in ("usp", "allgather") else 1
 
     def seq_multiple(self) -> int:
         """Sequence lengths must be a multiple of this: cp's layout times the SP split of each cp shard."""

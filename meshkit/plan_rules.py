@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from meshkit.expert_parallel import expert_split_problem
+from meshkit.models import roles
 from meshkit.models.moe import moe_spec
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def pp_problems(plan: Plan) -> list[str]:
 
 
 def cp_problems(plan: Plan) -> list[str]:
-    """Context-parallel options that contradict each other (the USP split of cp)."""
+    """Context-parallel options that contradict each other (the Ulysses x outer split of cp)."""
     problems = []
     if plan.cp_attention == "usp":
         if plan.cp > 1 and (plan.cp_ulysses < 2 or plan.cp_ulysses >= plan.cp or plan.cp % plan.cp_ulysses):
@@ -67,10 +68,19 @@ def cp_problems(plan: Plan) -> list[str]:
                 f"cp/cp_ulysses, so cp_ulysses must be a proper divisor of cp={plan.cp} above 1; fix: use one of "
                 f"{divisors or 'none (use cp_attention=ulysses or zigzag)'}"
             )
+    elif plan.cp_attention == "allgather":
+        # Ulysses inside, the K/V all-gather over the cp/cp_ulysses outer ranks; 1 = no Ulysses.
+        if plan.cp > 1 and (plan.cp_ulysses >= plan.cp or plan.cp % plan.cp_ulysses):
+            divisors = [d for d in range(1, plan.cp) if plan.cp % d == 0]
+            problems.append(
+                f"cp_ulysses={plan.cp_ulysses}: cp_attention='allgather' runs Ulysses over cp_ulysses ranks and "
+                f"gathers K/V over cp/cp_ulysses, so cp_ulysses must be a divisor of cp={plan.cp} below it; fix: "
+                f"use one of {divisors}"
+            )
     elif plan.cp_ulysses != 1:
         problems.append(
-            f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' splits cp into Ulysses x ring; fix: set "
-            f"cp_ulysses=1 or cp_attention='usp'"
+            f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' or 'allgather' splits cp into Ulysses x "
+            f"ring; fix: set cp_ulysses=1, or cp_attention='usp' or 'allgather'"
         )
     return problems
 
@@ -85,11 +95,12 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
         return [f"model config {type(config).__name__} lacks {missing}: meshkit supports Llama-family "
                 f"decoder configs (Llama, Qwen2/3, Mistral); fix: pass such a model"]
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     tp = plan.tp
     if tp > 1:
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                            ("intermediate_size", config.intermediate_size)):
+        heads_problem = roles.tp_degree_problem(config, tp)
+        if heads_problem:
+            problems.append(heads_problem)
+        for name, value in (("intermediate_size", config.intermediate_size),):
             if value % tp:
                 divisors = [d for d in range(1, value + 1) if value % d == 0]
                 problems.append(

@@ -20,8 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import preflight  # the recipe's own modules beside this script (the script's folder is on sys.path)
 import torch
 import torch.distributed as dist
+from checkpointing import Checkpointing
+from nonfinite import NonFiniteGuard
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
     DataConfig,
     RunConfig,
@@ -33,8 +36,9 @@ from train_config import (  # the recipe's own module beside this script (the sc
 )
 
 import meshkit
-from meshkit import checkpoint, metrics
+from meshkit import heartbeat, metrics
 from meshkit.activation_checkpoint import moe_blocks_full
+from meshkit.mesh import ensure_process_group, world_size_from_env
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -185,15 +189,40 @@ def _profiler(enabled: bool, trace_dir: Path, steps: int):
 def train(run: RunConfig) -> dict[str, float]:
     """The loop. Returns first/last loss and timing (rank-identical) for scripts and tests."""
     cfg = run.train
-    for name in ("steps", "seq_len", "local_batch", "grad_accum", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 1")
-    for name in ("eval_every", "eval_batches"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 0 (eval_every=0 turns evaluation off)")
+    model_config, ckpt_dir, load_weights = build_model_config(run.model)
+    preflight.check_config(run, model_config, world_size_from_env())  # pure: before any collective
     _set_threads(cfg)
     torch.manual_seed(cfg.seed)
-    model_config, ckpt_dir, load_weights = build_model_config(run.model)
+    ensure_process_group(timeout_s=cfg.timeout_s)
+    beat = _start_heartbeat(cfg)
+    try:
+        return _train(run, model_config, ckpt_dir, load_weights, beat)
+    finally:
+        if beat is not None:
+            beat.stop()
+
+
+def _start_heartbeat(cfg: TrainConfig) -> heartbeat.Heartbeat | None:
+    """Name a silent rank and end this one, so torchrun ends (or restarts) the job promptly."""
+    if not cfg.heartbeat_s:
+        return None
+
+    def end_job(silent: list[heartbeat.Silent]) -> None:
+        sys.stderr.write("".join(s.message(_rank()) + "\n" for s in silent))
+        sys.stderr.flush()
+        os._exit(EXIT_SILENT_RANK)
+
+    return heartbeat.start_for_process_group(cfg.heartbeat_s, end_job,
+                                             namespace=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+EXIT_SILENT_RANK = 3  # documented in docs/reliability.md
+
+
+def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weights: bool,
+           beat: heartbeat.Heartbeat | None) -> dict[str, float]:
+    cfg = run.train
+    preflight.check_filesystem(run, model_config)
 
     from transformers import AutoModelForCausalLM
 
@@ -201,8 +230,9 @@ def train(run: RunConfig) -> dict[str, float]:
         model = AutoModelForCausalLM.from_config(model_config)
     n_nonembedding = metrics.count_nonembedding_params(model)
     pm = meshkit.parallelize(model, run.plan)
-    if cfg.resume:
-        pass  # weights come from the checkpoint below
+    ckpt = Checkpointing(cfg, pm, global_batch=pm.dp_size * cfg.local_batch * cfg.grad_accum)
+    if ckpt.resuming:
+        pm.materialise()  # values come from the checkpoint below; the optimizer must hold the real tensors
     elif load_weights:
         pm.load_hf_checkpoint(ckpt_dir)  # each rank reads only the slices it holds
     else:
@@ -212,14 +242,8 @@ def train(run: RunConfig) -> dict[str, float]:
     optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = lr_schedule(optimizer, cfg)
-    first_step = 1
-    if cfg.resume:
-        path = checkpoint.latest(cfg.resume)
-        if path is None:
-            raise ValueError(f"[train] resume={cfg.resume!r}: no finished checkpoint under it")
-        first_step = pm.load_checkpoint(path, optimizer, scheduler=scheduler)["step"] + 1
-        if rank == 0:
-            print(f"meshkit: resumed from {path} at step {first_step}", flush=True)
+    first_step = ckpt.restore(optimizer, scheduler)
+    guard = NonFiniteGuard(cfg.on_nonfinite, rank)
     data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size)
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
@@ -255,19 +279,23 @@ def train(run: RunConfig) -> dict[str, float]:
             torch.cuda.synchronize()
         start = time.perf_counter()
         denominator = sum(pm.count_valid_tokens(labels) for _, labels in batches)
-        # Each call returns its share of the window's loss (same denominator), so the shares add up.
-        loss = sum(pm.forward_backward(input_ids, labels, loss_denominator=denominator)
-                   for input_ids, labels in batches)
+        # Each call returns its share of the window's loss (same denominator), so the shares add up;
+        # CE and the MoE router auxiliary terms come back apart (`parts`) and are logged apart.
+        calls = [pm.forward_backward(input_ids, labels, loss_denominator=denominator, parts=True)
+                 for input_ids, labels in batches]
+        loss, ce, aux = (sum(terms) for terms in zip(*calls))
         grad_norm = pm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else float("inf"))
-        optimizer.step()
+        if guard.allows_step(step, float(loss), float(grad_norm)):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         pm.update_expert_biases()  # DeepSeek-V3 router balancing; a no-op without it
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-            pm.save_checkpoint(checkpoint.step_dir(cfg.save_dir, step), optimizer, scheduler=scheduler, step=step)
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
+        save_s = ckpt.after_step(step, optimizer, scheduler, last=step == cfg.steps)  # not in step_s
+        if beat is not None:
+            beat.progress(step)
         if prof is not None:
             prof.step()
         losses.append(loss_value)
@@ -275,11 +303,15 @@ def train(run: RunConfig) -> dict[str, float]:
         tps = metrics.tokens_per_s_per_device(global_tokens, step_s, world)
         mem, mem_label = metrics.peak_memory()
         values = {
-            "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
+            "loss": loss_value, **({"ce": float(ce), "aux": float(aux)} if float(aux) else {}), "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
             "tokens_per_s_per_device": tps, "mfu": metrics.mfu(fpt.model, tps, peak),
             "hfu": metrics.mfu(fpt.hardware, tps, peak) if fpt.recompute else None,
             f"{'max_alloc' if mem_label.startswith('cuda') else 'peak_rss'}_gib": mem / 2**30,
         }
+        if save_s:
+            values["checkpoint_s"] = save_s  # blocking part only: staging, under async_save
+        if guard.skipped:
+            values["skipped_steps"] = len(guard.skipped)
         logger.log(step, values)
         if cfg.eval_every and cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
             eval_losses[step] = evaluate(pm, data, cfg.eval_batches)  # after the clock: not in step_s
@@ -292,6 +324,7 @@ def train(run: RunConfig) -> dict[str, float]:
     if prof is not None:
         prof.stop()
     bar.close()
+    ckpt.close()
     if cfg.export_hf:
         pm.save_hf_checkpoint(cfg.export_hf)
     logger.close()
@@ -301,7 +334,8 @@ def train(run: RunConfig) -> dict[str, float]:
         return {}
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
-               "total_s": sum(times), "eval_losses": eval_losses}
+               "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
+               "run_id": ckpt.run_id}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
@@ -321,6 +355,7 @@ def train(run: RunConfig) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        preflight.check_config_file(args.config)
         run = apply_cli(load_config(args.config), args)
         train(run)
     except ValueError as err:  # meshkit's PlanError included: a user error, not a crash
