@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit.estimate import moe
+from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.mesh import AXES
 from meshkit.models import llama
@@ -152,7 +153,11 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
         # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
         # nothing to hide behind; the head unit is the last and is never resharded after forward.
-        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, reshard),
+        # Under a V the first and last stage share pp rank 0: a tied embedding is two units there (the
+        # embedding, and the head's copy), each its own stage's.
+        ends = stage_ranks(plan)
+        copies = 2 if getattr(config, "tie_word_embeddings", False) and plan.pp > 1 and ends[0] == ends[-1] else 1
+        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", copies * bool(units["embed"]), None, reshard),
                       ("head", int(bool(units["head"])), t_block_fwd, False)]
         for name, count, hide, regather in plan_units:
             if not count or fsdp == 1:
@@ -165,8 +170,8 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {name} gradients ({plan.reduce_dtype})", syncs * count,
                 units[name] * red, fsdp, t_bwd / 2 if name == "block" else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
-            count = blocks + sum(1 for k in ("embed", "head") if units[k])
-            total = units["block"] * blocks + units["embed"] + units["head"]
+            count = blocks + copies * bool(units["embed"]) + bool(units["head"])
+            total = units["block"] * blocks + copies * units["embed"] + units["head"]
             add("dp_replicate", "all_reduce", "HSDP: gradient shards", syncs * count, total * red / fsdp / count,
                 rep, t_bwd)
         if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
@@ -217,9 +222,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     if plan.pp > 1:
         # Messages the busiest rank sends: each of its stages sends its output forward (but the last
         # stage) and its input gradient backward (but the first stage), once per microbatch.
-        v = plan.pp_virtual_stages
-        stages = plan.pp * v
-        sends = max(sum((s < stages - 1) + (s > 0) for s in range(r, stages, plan.pp)) for r in range(plan.pp))
+        owner = stage_ranks(plan)  # a boundary between two stages of one rank (the V's turn) sends nothing
+        stages = len(owner)
+        sends = max(sum((s < stages - 1 and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
+                        for s in range(stages) if owner[s] == r) for r in range(plan.pp))
         boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
         add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m, boundary, 2, 0.0)
         if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them

@@ -35,13 +35,17 @@ from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
 
 
+def stage_ranks(plan: Plan) -> tuple[int, ...]:
+    """The pp rank of every stage: the schedule's placement (under a V, the last stage is on rank 0)."""
+    return stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
+
+
 def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
     """Blocks of each of a rank's stages, per pipeline rank, from meshkit's own split (the embedding
     and the head count as a layer each, so the first and last stages get fewer blocks)."""
     v = plan.pp_stages_per_rank if plan.pp > 1 else 1
     ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
-    placement = stage_placement(plan.pp_schedule, plan.pp, v) if plan.pp > 1 else (0,)
-    return [[len(ranges[s]) for s in stages_of_rank(r, placement)] for r in range(plan.pp)]
+    return [[len(ranges[s]) for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
 
 
 # -------------------------------------------------------------------------------- model state
@@ -112,8 +116,10 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     specs, layers, tied = param_specs(config)
     fsdp = plan.dp_shard * plan.cp
     blocks = sum(stage_blocks(config, plan)[pp_rank])
-    count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == 0 or (tied and pp_rank == plan.pp - 1)),
-                "head": int(pp_rank == plan.pp - 1)}
+    first, last = stage_ranks(plan)[0], stage_ranks(plan)[-1]
+    copy = tied and plan.pp > 1 and pp_rank == last  # the head's copy of a tied embedding
+    count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == first) + int(copy),
+                "head": int(pp_rank == last)}
     numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = 0
     units = {"embed": 0, "block": 0, "head": 0, "expert": 0}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
@@ -130,7 +136,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         tensors += count
         if spec.tp_summed and plan.tp > 1:
             summed_tensors, summed_elements = summed_tensors + count, summed_elements + local
-        if spec.unit == "embed" and tied and plan.pp > 1:  # the head's copy on the last stage
+        if spec.unit == "embed" and tied and plan.pp > 1 and first != last:  # all-reduced with the other copy
             tied_copy = local
         held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
         held_total += held
@@ -220,7 +226,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     state = model_state(config, plan, pp_rank=pp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
-    last = pp_rank == plan.pp - 1
+    last = pp_rank == stage_ranks(plan)[-1]
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
     per_block = block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
     if ac == "selective" and plan.cp > 1 and getattr(plan, "cp_attention", "zigzag") in ("ring", "zigzag", "usp"):
