@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from meshkit import _compat
 
-__all__ = ["Heartbeat", "Silent", "start_for_process_group"]
+__all__ = ["Heartbeat", "Silent", "collective_timeout_s", "start_for_process_group"]
 
 WATCH_ALL = 32
 
@@ -117,6 +117,12 @@ def _step_of(value: bytes | None) -> int:
         return int(value.split()[1]) if value else -1
     except (IndexError, ValueError):
         return -1
+
+
+def collective_timeout_s() -> float | None:
+    """The collective timeout the default process group really has (seconds), for the log line that
+    tells a user how long a hung collective can block before the heartbeat or the timeout ends it."""
+    return _compat.collective_timeout_s() if dist.is_initialized() else None
 
 
 def start_for_process_group(timeout_s: float, on_silent: Callable[[list[Silent]], None], *,

@@ -35,6 +35,7 @@ from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
 from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
 from meshkit.zero import stages as zero_stages
+from meshkit.zero.fused import FusedOptimizer
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class ParallelModel:
         self._eval_schedule = forward_only(self._schedule) if self._schedule is not None else None
         self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
+        self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
         self.check_inputs = True
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
@@ -178,6 +180,10 @@ class ParallelModel:
         """
         if not isinstance(last_microbatch, bool):
             raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
+        if self._fused is not None and not last_microbatch:
+            raise ValueError("forward_backward: last_microbatch=False with the optimizer fused into backward: each "
+                             "call steps the parameters, so a gradient is never accumulated over a window; fix: "
+                             "one call per step, or the optimizer unfused")
         batch = self._prepare(input_ids, labels, position_ids)
         self._window_open = not last_microbatch
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
@@ -194,6 +200,8 @@ class ParallelModel:
                 share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
             if self._reduce_tp_grads:
                 place_grads_like_params(dtensor_params(self.model_parts))
+        if self._fused is not None:
+            self._fused.after_call()
         return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
 
     def _step(self, batch: LocalBatch, denominator: float, last_microbatch: bool, weight: float):
@@ -329,6 +337,10 @@ class ParallelModel:
     def _check_window_closed(self, what: str) -> None:
         """Gradients of an unfinished accumulation window may be unreduced: refuse to read them (every
         rank made the same calls, so every rank raises)."""
+        if self._fused is not None:
+            raise ValueError(f"{what}: the optimizer is fused into backward (meshkit.fuse_optimizer_into_backward), "
+                             "so every gradient was consumed before a global norm could exist; the fused path does "
+                             "not clip (docs/memory.md); fix: train unfused to clip")
         if self._window_open:
             raise ValueError(f"{what}: the last forward_backward passed last_microbatch=False, so its window's "
                              "gradients may not be reduced yet; fix: pass last_microbatch=True to the window's "

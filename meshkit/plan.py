@@ -276,6 +276,22 @@ class Plan:
         """Plain mapping of every field (TOML-serialisable except None values)."""
         return dataclasses.asdict(self)
 
+    def to_string(self) -> str:
+        """The compact form `from_string` reads back to an equal Plan: every field off its default."""
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default or (f.name == "pp_split" and not value):
+                continue
+            if f.name == "pp_split":
+                value = "/".join(str(v) for v in value)
+            elif value is None:
+                value = "none"
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            parts.append(f"{f.name}={value}")
+        return ",".join(parts)
+
     def describe(self) -> str:
         """One line naming the non-trivial degrees, for logs."""
         parts = [f"{d}={getattr(self, d)}" for d in DEGREES if getattr(self, d) != 1]
@@ -287,8 +303,9 @@ class Plan:
         group = parser.add_argument_group("meshkit plan")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            group.add_argument(flag, dest=f"plan_{f.name}", default=None, metavar=f.name.upper(),
-                               help=f"Plan.{f.name} (default {f.default!r})")
+            # SUPPRESS: a flag not given leaves no attribute, so help shows no misleading "default: None".
+            group.add_argument(flag, dest=f"plan_{f.name}", default=argparse.SUPPRESS, metavar=f.name.upper(),
+                               help=f"Plan.{f.name}; built-in default {f.default!r} (a TOML plan may set another)")
         return parser
 
     @classmethod

@@ -47,6 +47,7 @@ class TrainConfig:
     save_every: int = 0  # save a meshkit checkpoint every N steps (and at the end); 0: never
     save_dir: str = "checkpoints"  # checkpoints go to <save_dir>/step-NNNNNNNN
     resume: str = ""  # "auto": the newest checkpoint under save_dir that verifies, else a fresh start; or a directory
+    allow_batch_change: bool = False  # resume even if global batch or seq_len differ from the checkpoint's
     export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
     eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
     eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)
@@ -126,11 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(f"[{cls.__name__[:-6].lower()}]")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            # SUPPRESS: a flag not given leaves the preset's value alone, and --help shows the built-in
+            # default (what applies when neither the preset nor the flag sets it), not "default: None".
+            text = f"built-in default {f.default!r}; a --config preset may set another"
             if f.type in ("bool", bool):
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=text)
             else:
-                group.add_argument(flag, dest=f.name, default=None, type=_TYPES[str(f.type)],
-                                   help=f"(preset default {f.default!r})")
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, type=_TYPES[str(f.type)], help=text)
     meshkit.Plan.add_cli_args(parser)
     return parser
 

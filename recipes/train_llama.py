@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,13 @@ from train_config import (  # the recipe's own module beside this script (the sc
     build_parser,
     load_config,
 )
+from transformers.utils import logging as hf_logging
 
 import meshkit
 from meshkit import heartbeat, metrics
 from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.mesh import ensure_process_group, world_size_from_env
+from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -197,6 +200,10 @@ def train(run: RunConfig) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     ensure_process_group(timeout_s=cfg.timeout_s)
     beat = _start_heartbeat(cfg)
+    if _rank() == 0:
+        timeout = heartbeat.collective_timeout_s()
+        print(f"meshkit: collective timeout {'unknown' if timeout is None else f'{timeout:.0f} s'}, heartbeat "
+              f"{f'{cfg.heartbeat_s:g} s' if beat is not None else 'off'}", flush=True)
     try:
         return _train(run, model_config, ckpt_dir, load_weights, beat)
     finally:
@@ -240,6 +247,10 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     else:
         pm.init_weights(cfg.seed)
     plan, world, rank = pm.plan, dist.get_world_size(), dist.get_rank()
+    seq_problem = plan.seq_len_problem(cfg.seq_len)  # at startup, not at the first step
+    if seq_problem:
+        raise ValueError(f"[train] seq_len={cfg.seq_len}: {seq_problem}")
+    record = run_record(plan, pm.dp_size, cfg.local_batch, cfg.grad_accum, cfg.seq_len)  # goes into checkpoints
 
     optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
@@ -247,6 +258,9 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
         model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size))
     first_step = ckpt.restore(optimizer, scheduler, data=data.loader)
+    problem = resume_problem(ckpt.resumed_extra, record, cfg.allow_batch_change) if ckpt.resuming else None
+    if problem:  # the same checkpoint metadata on every rank: every rank raises
+        raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
     guard = NonFiniteGuard(cfg.on_nonfinite, rank)
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
@@ -267,7 +281,9 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0, dynamic_ncols=True, desc="train")
+    # A bar only on a terminal: piped into a log (make demo), it would interleave with the step lines.
+    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0 or not sys.stderr.isatty(),
+               dynamic_ncols=True, desc="train")
     prof = _profiler(cfg.profile, log_dir / "profile", cfg.steps)
     if prof is not None:
         prof.start()
@@ -299,7 +315,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         scheduler.step()
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
-        save_s = ckpt.after_step(step, optimizer, scheduler, last=step == cfg.steps, data=data.loader)  # not in step_s
+        save_s = ckpt.after_step(step, optimizer, scheduler, last=step == cfg.steps,  # not in step_s
+                                 extra=with_run_record(None, record), data=data.loader)
         if beat is not None:
             beat.progress(step)
         if prof is not None:
@@ -310,7 +327,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         tps = metrics.tokens_per_s_per_device(global_tokens, step_s, world)
         mem, mem_label = metrics.peak_memory()
         values = {
-            "loss": loss_value, **({"ce": float(ce), "aux": float(aux)} if float(aux) else {}), "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
+            "loss": loss_value, **({"ce": float(ce), "aux": float(aux)} if float(aux) else {}),
+            "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
             "tokens_per_s_per_device": tps, "mfu": metrics.mfu(fpt.model, tps, peak),
             "hfu": metrics.mfu(fpt.hardware, tps, peak) if fpt.recompute else None,
             f"{'max_alloc' if mem_label.startswith('cuda') else 'peak_rss'}_gib": mem / 2**30,
@@ -327,7 +345,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
                        prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
-        if rank == 0 and (step % cfg.log_every == 0 or step in (1, cfg.steps)):
+        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps)):
             bar.write(metrics.format_step_line(step, cfg.steps, values))
     if prof is not None:
         prof.stop()
@@ -364,8 +382,16 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     return summary
 
 
+def _warn_once() -> None:
+    """Library warnings (torch, transformers) from rank 0 only: every rank would print the same ones."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        warnings.simplefilter("ignore")
+        hf_logging.set_verbosity_error()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _warn_once()
     try:
         preflight.check_config_file(args.config)
         run = apply_cli(load_config(args.config), args)

@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 
+from meshkit.data.chat import CHAT
 from meshkit.data.prepare import prepare
+from meshkit.data.sources import TEXT
 from meshkit.data.store import TokenStore
 
 
@@ -28,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val", nargs="+", metavar="INPUT", help="held-out inputs (instead of --val-fraction)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="share of documents held out (deterministic)")
     p.add_argument("--text-field", default="text", help="the jsonl / parquet / datasets field holding the text")
+    p.add_argument("--chat", action="store_true",
+                   help="chat records {'messages': [{'role', 'content'}...]} through the tokenizer's chat template; "
+                        "only assistant tokens are targets (supervised fine-tuning; meshkit.data.chat)")
     p.add_argument("--glob", action="append", dest="globs", metavar="PATTERN",
                    help="text file pattern inside directories (repeatable; default *.txt *.md *.py)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
@@ -52,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         result = prepare(args.inputs, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val=args.val,
                          val_fraction=args.val_fraction, text_field=args.text_field, globs=args.globs,
-                         errors=args.errors, workers=args.workers, seed=args.seed, progress=not args.quiet)
+                         errors=args.errors, workers=args.workers, seed=args.seed, progress=not args.quiet,
+                         source=CHAT if args.chat else TEXT)
     except ValueError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

@@ -48,6 +48,8 @@ Shapes = TensorMeta | Mapping[int, TensorMeta] | Callable[[int, int], TensorMeta
 
 K = ActionKind
 _COMM = frozenset({K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B})
+#: A receive is posted this many compute actions before the compute that consumes it (see `_steps`).
+RECEIVE_LOOKAHEAD = 1
 
 
 def run_schedule(
@@ -86,19 +88,18 @@ def run_schedule(
     with fsdp, (
         deferrable_linears(stages.values()) if splits else contextlib.nullcontext()
     ):
-        position = 0
-        while position < len(actions):
-            end = position + 1
-            if actions[position].kind in _COMM:  # a run of transfers is posted as one batch
-                while end < len(actions) and actions[end].kind in _COMM:
-                    end += 1
+        for transfers, compute in _steps(schedule, rank, RECEIVE_LOOKAHEAD):
+            action, position = transfers[0] if transfers else compute
             try:
-                run.execute(actions[position:end], deferred=splits)
+                if transfers:
+                    run.post([a for a, _ in transfers])
+                if compute is not None:
+                    action, position = compute
+                    run.compute(action, deferred=splits)
             except Exception as exc:
-                _note(exc, f"meshkit pipeline rank {rank} failed in {actions[position]} (position {position} "
+                _note(exc, f"meshkit pipeline rank {rank} failed in {action} (position {position} "
                            f"of {len(actions)} in schedule {schedule.name!r})")
                 raise
-            position = end
         run.finish()
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -122,16 +123,18 @@ class _RankRun:
         self.pending: dict[tuple[int, int], PendingWeightGrads] = {}
         self.losses: dict[int, torch.Tensor] = {}
 
-    def execute(self, actions: Sequence[Action], deferred: bool) -> None:
-        first = actions[0]
-        if first.kind in _COMM:
-            self.p2p.post([self._transfer(a) for a in actions])
-        elif first.kind is K.F:
-            self._forward(first.stage, first.microbatch)
-        elif first.kind in (K.B, K.BW):
-            self._backward(first.stage, first.microbatch, weights_now=first.kind is K.BW, deferred=deferred)
+    def post(self, actions: Sequence[Action]) -> None:
+        """Start these sends and receives as one batch (receives are waited on by their consumer)."""
+        self.p2p.post([self._transfer(a) for a in actions])
+
+    def compute(self, action: Action, deferred: bool) -> None:
+        """Run one F, B, BW or W."""
+        if action.kind is K.F:
+            self._forward(action.stage, action.microbatch)
+        elif action.kind in (K.B, K.BW):
+            self._backward(action.stage, action.microbatch, weights_now=action.kind is K.BW, deferred=deferred)
         else:
-            self.pending.pop((first.stage, first.microbatch)).run()
+            self.pending.pop((action.stage, action.microbatch)).run()
 
     # ------------------------------------------------------------------ compute
     def _forward(self, s: int, mb: int) -> None:
@@ -207,6 +210,36 @@ class _RankRun:
                                                 ("weight grads", self.pending)) if d}
         if left:
             raise RuntimeError(f"schedule ended with work left on rank {self.rank}: {left}")
+
+
+_Step = tuple[tuple[tuple[Action, int], ...], tuple[Action, int] | None]
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(schedule: Schedule, rank: int, lookahead: int) -> tuple[_Step, ...]:
+    """This rank's actions as steps: (transfers to post as one batch, then one compute), with positions.
+
+    Sends stay where the schedule puts them (right after their producer). Each receive is posted
+    `lookahead` computes before the compute that consumes it, which still waits for it: gloo moves
+    a message only once both ends have posted it (the receiver tells the sender it is ready), so a
+    receive posted just before its consumer costs a round trip between the two ranks' transport
+    threads on the critical path, while one posted a compute earlier is usually complete when
+    waited on. Waits stay where they were, so the deadlock-freedom `check` proves still holds (see
+    `p2p`). The last step (compute None) posts the sends after the last compute.
+    """
+    actions = schedule.ranks[rank]
+    computes = [(a, i) for i, a in enumerate(actions) if a.kind not in _COMM]
+    posts: list[list[tuple[Action, int]]] = [[] for _ in range(len(computes) + 1)]
+    next_compute = 0
+    for i, a in enumerate(actions):
+        if a.kind not in _COMM:
+            next_compute += 1
+        elif a.kind in (K.RECV_F, K.RECV_B):
+            posts[max(next_compute - lookahead, 0)].append((a, i))
+        else:
+            posts[next_compute].append((a, i))
+    steps = [(tuple(posts[j]), computes[j] if j < len(computes) else None) for j in range(len(computes) + 1)]
+    return tuple(step for step in steps if step[0] or step[1] is not None)
 
 
 def _tag(boundary: int, mb: int, num_microbatches: int, backward: bool) -> int:

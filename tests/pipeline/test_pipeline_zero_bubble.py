@@ -116,7 +116,7 @@ def test_zb_h2_is_a_parallelogram_with_2p_minus_1_in_flight(case, t):
 @given(sizes("zb_v"), unit())
 def test_zb_v_bubble_tends_to_zero_at_1f1b_memory(case, t):
     """Equal chunk times t (each of the 2 chunks holds half a rank's layers): no idle inside any rank's
-    span, (p-1) chunk forwards of start-up skew per step (a sixth of ZB-H1's (p-1)(TF+TB-TW) at equal
+    span, (p-1) chunk forwards of start-up skew per step (a sixth of 1F1B's (p-1)(TF+TB+TW) at equal
     per-rank times), and 2p chunk-microbatches at the peak: p whole microbatches, 1F1B's first rank."""
     _, p, m = case
     result = simulate(zb_v(p, m), Costs(t, t, t))

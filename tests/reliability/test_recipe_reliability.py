@@ -124,16 +124,20 @@ def test_save_dir_policy_resume_auto_load_step_keep_last(dist, tmp_path):
     assert "no verifying checkpoint of that step" in checkpointing.decide(replace(cfg, load_step=3)).error
     for o in pool.run_raw(_train, {**base, "resume": ""}):  # the refusal reaches every rank before training
         assert o.exc_type == "ValueError" and "holds checkpoints of another run" in o.message, o.message
-    again = pool.run(_train, {**base, "load_step": 2, "overwrite": True, "keep_last": 1})[0]
+    # With --overwrite: step 4 goes, step 2 resumes and steps 3-4 come out as before, this time saved
+    # in the background (async_save), and keep_last=1 deletes step 2 once the new step 4 is complete.
+    again = pool.run(_train, {**base, "load_step": 2, "overwrite": True, "keep_last": 1, "async_save": True})[0]
     assert again["last_loss"] == first["last_loss"] and again["run_id"] == run_id
-    assert _steps(root) == ["step-00000004"]  # keep_last=1 deleted step 2 once step 4 was complete
+    assert _steps(root) == ["step-00000004"]
     assert checkpoint.verify(root / "step-00000004") == []
 
-    # Async saves: the same losses, complete checkpoints.
-    async_root = tmp_path / "async"
-    saved = pool.run(_train, {**base, "save_dir": str(async_root), "async_save": True})[0]
-    assert saved["last_loss"] == first["last_loss"]
-    assert [checkpoint.verify(p) for p in sorted(async_root.iterdir())] == [[], []]
+    # Checkpoints exist but none verifies: --resume auto refuses to start over them, --overwrite does.
+    shard = root / "step-00000004" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "none verifies (skipping checkpoint" in checkpointing.decide(cfg).error
+    fresh = checkpointing.decide(replace(cfg, overwrite=True))
+    assert fresh.path is None and fresh.error is None and fresh.delete == [str(root / "step-00000004")]
+
 
 
 def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
