@@ -135,11 +135,11 @@ class Checkpointing:
         """Whether weights come from a checkpoint (so the caller must not initialise them)."""
         return self.decision.path is not None
 
-    def restore(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-        """Load the chosen checkpoint; the first step to train (1 for a fresh start)."""
+    def restore(self, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any = None) -> int:
+        """Load the chosen checkpoint (and `data`'s position: a meshkit.data loader); the first step to train."""
         if self.decision.path is None:
             return 1
-        info = self.pm.load_checkpoint(self.decision.path, optimizer, scheduler=scheduler)
+        info = self.pm.load_checkpoint(self.decision.path, optimizer, scheduler=scheduler, data=data)
         self.resumed_extra = info["extra"]
         if self.rank == 0:
             print(f"meshkit: resumed from {self.decision.path} at step {info['step'] + 1} (run {self.run_id})",
@@ -147,14 +147,15 @@ class Checkpointing:
         return info["step"] + 1
 
     def after_step(self, step: int, optimizer: torch.optim.Optimizer, scheduler: Any, *, last: bool,
-                   extra: Any = None) -> float:
+                   extra: Any = None, data: Any = None) -> float:
         """Save when this step is due (outside the timed step); the seconds the loop was blocked."""
         every = self.cfg.save_every
         if not every or not (step % every == 0 or last):
             return 0.0
         start = time.perf_counter()
         path = checkpoint.step_dir(self.cfg.save_dir, step)
-        kwargs = dict(scheduler=scheduler, step=step, extra=extra, run_id=self.run_id, global_batch=self.global_batch)
+        kwargs = dict(scheduler=scheduler, step=step, extra=extra, run_id=self.run_id, global_batch=self.global_batch,
+                      data=data)
         if self.saver is None:
             self.pm.save_checkpoint(path, optimizer, **kwargs)
             self._retain()

@@ -49,6 +49,7 @@ class TrainConfig:
     resume: str = ""  # "auto": the newest checkpoint under save_dir that verifies, else a fresh start; or a directory
     allow_batch_change: bool = False  # resume even if global batch or seq_len differ from the checkpoint's
     export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
+    sample_tokens: int = 32  # at the end, greedy-continue a held-out prompt by this many tokens (store data); 0: off
     eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
     eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)
     # Reliability (docs/reliability.md): checkpoints, restarts, non-finite steps, hung ranks.
@@ -63,12 +64,20 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """The [data] table: a synthetic Markov chain over the vocabulary.
+    """The [data] table: a token store (`path`), a blend of stores (`weights`), or synthetic tokens.
 
-    Each token has `branching` possible successors drawn once from `chain_seed`, so the best achievable
-    loss is ln(branching) while a fresh model starts near ln(vocab_size).
+    A store is written by `python -m meshkit.data prepare`; rows are packed documents (`pack = false`:
+    one document per row, padded). `weights = {"<store dir>" = 0.7, "<other store>" = 0.3}` blends
+    stores sample by sample. Without a store (or with `synthetic = true`) the data is a Markov chain
+    over the vocabulary: each token has `branching` successors drawn once from `chain_seed`, so the best
+    achievable loss is ln(branching) while a fresh model starts near ln(vocab_size). Sequence length,
+    batch and evaluation cadence stay in [train].
     """
 
+    path: str = ""  # a token store directory
+    pack: bool = True  # documents packed into rows (position_ids restart per document)
+    weights: dict[str, float] = field(default_factory=dict)  # blend: store directory -> weight
+    synthetic: bool = False  # true: the Markov chain below (also the default when no store is named)
     branching: int = 2
     chain_seed: int = 1234  # draws the transition table (shared by all ranks)
 
@@ -131,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float, "str": str,
+          "dict[str, float]": lambda text: _toml_value(text)}  # an inline TOML table: '{"a" = 0.7, "b" = 0.3}'
 
 
 def _toml_value(text: str) -> Any:

@@ -7,8 +7,9 @@ The recipe is an ordinary training loop: everything parallel lives behind `meshk
 loop reads the same for one process or a 5D mesh. The model is built on the meta device and only this
 rank's shards are ever materialised. Data is synthetic by default (a Markov chain, so the loss has
 something to learn and falls visibly within a few dozen steps); every rank with the same data-parallel
-rank generates the same batches without any communication. The preset and flags are read by
-`train_config.py`, next to this file.
+rank generates the same batches without any communication. With `[data] path` (a token store written
+by `python -m meshkit.data prepare`) it trains on real text through `meshkit.data`; `data_setup.py`
+builds either. The preset and flags are read by `train_config.py`, next to this file.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import preflight  # the recipe's own modules beside this script (the script's folder is on sys.path)
+import data_setup  # the recipe's own modules beside this script (the script's folder is on sys.path)
+import preflight
 import torch
 import torch.distributed as dist
 from checkpointing import Checkpointing
@@ -82,14 +84,14 @@ class MarkovTokens:
 HELD_OUT_STEP = -1  # training steps count from 1
 
 
-def evaluate(pm: meshkit.ParallelModel, data: MarkovTokens, batches: int) -> float:
+def evaluate(pm: meshkit.ParallelModel, data: data_setup.SyntheticData | data_setup.StoreData, batches: int) -> float:
     """Loss over the held-out batches, weighted by their tokens (the single-device loss of them all)."""
     pm.eval()
     total = count = 0.0
     for index in range(batches):
-        input_ids, labels = data.held_out(index)
+        input_ids, labels, position_ids = data.held_out(index)
         tokens = pm.count_valid_tokens(labels)
-        total += float(pm.evaluate(input_ids, labels)) * tokens
+        total += float(pm.evaluate(input_ids, labels, position_ids=position_ids)) * tokens
         count += tokens
     pm.train()
     return total / max(count, 1)
@@ -249,12 +251,13 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = lr_schedule(optimizer, cfg)
-    first_step = ckpt.restore(optimizer, scheduler)
+    data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
+        model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size))
+    first_step = ckpt.restore(optimizer, scheduler, data=data.loader)
     problem = resume_problem(ckpt.resumed_extra, record, cfg.allow_batch_change) if ckpt.resuming else None
     if problem:  # the same checkpoint metadata on every rank: every rank raises
         raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
     guard = NonFiniteGuard(cfg.on_nonfinite, rank)
-    data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size)
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
                                   moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
@@ -282,19 +285,22 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         prof.start()
     losses: list[float] = []
     times: list[float] = []
+    waits: list[float] = []  # seconds each step waited for its data (prefetch stall)
     eval_losses: dict[int, float] = {}
     metrics.reset_peak_memory()
     for step in range(first_step, cfg.steps + 1):
         # Made before the clock starts: a real loader prefetches, and the step time should be the model's.
-        batches = [data.batch_at(step, micro) for micro in range(cfg.grad_accum)]
+        wait_before = data.wait_s
+        batches = data.step_batches(step)  # meshkit.data prefetches; wait_s counts what the step waited
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        denominator = sum(pm.count_valid_tokens(labels) for _, labels in batches)
+        denominator = sum(pm.count_valid_tokens(labels) for _, labels, _ in batches)
         # Each call returns its share of the window's loss (same denominator), so the shares add up;
         # CE and the MoE router auxiliary terms come back apart (`parts`) and are logged apart.
-        calls = [pm.forward_backward(input_ids, labels, loss_denominator=denominator, parts=True)
-                 for input_ids, labels in batches]
+        calls = [pm.forward_backward(input_ids, labels, position_ids=position_ids, loss_denominator=denominator,
+                                     parts=True)
+                 for input_ids, labels, position_ids in batches]
         loss, ce, aux = (sum(terms) for terms in zip(*calls))
         grad_norm = pm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else float("inf"))
         if guard.allows_step(step, float(loss), float(grad_norm)):
@@ -306,13 +312,14 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
         save_s = ckpt.after_step(step, optimizer, scheduler, last=step == cfg.steps,  # not in step_s
-                                 extra=with_run_record(None, record))
+                                 extra=with_run_record(None, record), data=data.loader)
         if beat is not None:
             beat.progress(step)
         if prof is not None:
             prof.step()
         losses.append(loss_value)
         times.append(step_s)
+        waits.append(data.wait_s - wait_before)
         tps = metrics.tokens_per_s_per_device(global_tokens, step_s, world)
         mem, mem_label = metrics.peak_memory()
         values = {
@@ -330,7 +337,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         if cfg.eval_every and cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
             eval_losses[step] = evaluate(pm, data, cfg.eval_batches)  # after the clock: not in step_s
             values["eval_loss"] = eval_losses[step]
-            logger.log(step, {"loss": eval_losses[step]}, prefix="eval/")
+            logger.log(step, {"loss": eval_losses[step], "perplexity": math.exp(min(eval_losses[step], 50))},
+                       prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
         if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps)):
@@ -339,6 +347,12 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         prof.stop()
     bar.close()
     ckpt.close()
+    if cfg.sample_tokens and hasattr(data, "prompt"):  # token-store data: a held-out prompt, continued
+        prompt, tok = data.prompt()
+        sample = pm.generate(prompt, max_new_tokens=cfg.sample_tokens, eos_token_id=tok.eos_token_id)  # collective
+        if rank == 0:
+            print(f"meshkit: sample (greedy) | {tok.decode(prompt[0])!r} -> "
+                  f"{tok.decode(sample[0, prompt.shape[1]:])!r}", flush=True)
     if cfg.export_hf:
         pm.save_hf_checkpoint(cfg.export_hf)
     logger.close()
@@ -349,19 +363,21 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
-               "run_id": ckpt.run_id}
+               "run_id": ckpt.run_id, "data_wait_s": sum(waits)}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
         memory = f"peak memory {mem / 2**30:.3g} GiB ({mem_label})"
-        held_out = f" | held-out loss {eval_losses[max(eval_losses)]:.4f}" if eval_losses else ""
+        last_eval = eval_losses[max(eval_losses)] if eval_losses else None
+        held_out = f" | held-out loss {last_eval:.4f} (perplexity {math.exp(min(last_eval, 50)):.2f})" if eval_losses else ""
         if predicted and mem_label.startswith("cuda"):
             memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
         elif predicted:  # RSS also holds the interpreter and libraries: no ratio to tensor bytes
             memory += f"; the estimator predicts {predicted / 2**30:.3g} GiB of tensors"
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
-              f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, floor ln({run.data.branching}) = "
-              f"{math.log(run.data.branching):.4f}){held_out} | median step {summary['median_step_s']:.3f}s | {memory} | "
+              f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
+              f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
+              f"{memory} | "
               f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
     return summary
 

@@ -185,7 +185,7 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
                        cache_file_name=str(work / "tokenized.arrow"), desc="tokenize")
 
     vocab = len(tok)
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    dtype = store.token_dtype(vocab)
     lengths = np.zeros(len(encoded), dtype=np.int64)
     has_mask = any(len(chunk.flatten()) for chunk in encoded.data.column("loss_mask").chunks)
     row = 0
@@ -205,22 +205,10 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
                 masks = batch.column("loss_mask").to_pylist()
                 for n, mask in zip(count, masks):
                     np.asarray(mask or np.ones(n), dtype=np.uint8).tofile(mask_f)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    np.save(tmp / store.OFFSETS, offsets)
-    np.save(tmp / store.SPLIT_IDS, _split_ids(len(lengths), n_train_inputs, val_fraction, seed))
-
-    split_ids = np.load(tmp / store.SPLIT_IDS)
-    names = [store.TOKENS, store.OFFSETS, store.SPLIT_IDS] + ([store.LOSS_MASK] if has_mask else [])
-    return {
-        "format": FORMAT_VERSION, "dtype": dtype.name, "num_tokens": int(offsets[-1]),
-        "num_documents": len(lengths), "eos_id": eos_id, "vocab_size": vocab,
-        "tokenizer_sha256": tokenizers_lib.tokenizer_hash(tok), "source": source.name,
-        "splits": {name: {"documents": int((split_ids == code).sum()),
-                          "tokens": int(lengths[split_ids == code].sum())} for name, code in store.SPLITS.items()},
-        "files": store.file_entries(tmp, names),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return store.finish_store(
+        tmp, lengths, _split_ids(len(lengths), n_train_inputs, val_fraction, seed), dtype=dtype, eos_id=eos_id,
+        vocab_size=vocab, tokenizer_sha256=tokenizers_lib.tokenizer_hash(tok), has_mask=has_mask,
+        source=source.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def _split_ids(n_docs: int, n_train_inputs: int, val_fraction: float, seed: int) -> np.ndarray:

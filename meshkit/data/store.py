@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "SPLITS", "TokenStore", "file_digest", "file_entries", "write_store"]
+__all__ = ["FORMAT_VERSION", "SPLITS", "TokenStore", "file_digest", "file_entries", "finish_store", "token_dtype", "write_store"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -55,6 +55,36 @@ def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, objec
             for name in names}
 
 
+def finish_store(path: Path, lengths: np.ndarray, split_ids: np.ndarray, *, dtype: np.dtype, eos_id: int,
+                 vocab_size: int, tokenizer_sha256: str, has_mask: bool, **extra: object) -> dict:
+    """Write offsets, split ids and the manifest of a store whose `tokens.bin` (and loss mask) exist.
+
+    The one place that knows the manifest's fields: `prepare`, `write_store` and the benchmarks'
+    generated stores all end here. Returns the manifest.
+    """
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    split_ids = np.asarray(split_ids, dtype=np.uint8)
+    np.save(path / OFFSETS, offsets)
+    np.save(path / SPLIT_IDS, split_ids)
+    names = [TOKENS, OFFSETS, SPLIT_IDS] + ([LOSS_MASK] if has_mask else [])
+    manifest = {
+        "format": FORMAT_VERSION, "dtype": np.dtype(dtype).name, "num_tokens": int(offsets[-1]),
+        "num_documents": len(lengths), "eos_id": int(eos_id), "vocab_size": int(vocab_size),
+        "tokenizer_sha256": tokenizer_sha256,
+        "splits": {k: {"documents": int((split_ids == c).sum()), "tokens": int(lengths[split_ids == c].sum())}
+                   for k, c in SPLITS.items()},
+        "files": file_entries(path, names), **extra,
+    }
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32: half the bytes for vocabularies up to 65536."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
 def write_store(path: str | os.PathLike, documents: list[np.ndarray], *, eos_id: int, vocab_size: int,
                 tokenizer_sha256: str = "none", split_ids: np.ndarray | None = None,
                 loss_masks: list[np.ndarray] | None = None) -> TokenStore:
@@ -66,27 +96,14 @@ def write_store(path: str | os.PathLike, documents: list[np.ndarray], *, eos_id:
     path.mkdir(parents=True, exist_ok=True)
     if any(len(d) == 0 or int(d[-1]) != eos_id for d in documents):
         raise ValueError(f"write_store: every document must be non-empty and end with eos_id={eos_id}")
-    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-    lengths = np.array([len(d) for d in documents], dtype=np.int64)
-    offsets = np.zeros(len(documents) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(documents) if documents else np.zeros(0)
-    flat.astype(dtype).tofile(path / TOKENS)
-    np.save(path / OFFSETS, offsets)
-    split_ids = np.zeros(len(documents), np.uint8) if split_ids is None else np.asarray(split_ids, np.uint8)
-    np.save(path / SPLIT_IDS, split_ids)
-    names = [TOKENS, OFFSETS, SPLIT_IDS]
+    dtype = token_dtype(vocab_size)
+    (np.concatenate(documents) if documents else np.zeros(0)).astype(dtype).tofile(path / TOKENS)
     if loss_masks is not None:
         np.concatenate(loss_masks).astype(np.uint8).tofile(path / LOSS_MASK)
-        names.append(LOSS_MASK)
-    manifest = {
-        "format": FORMAT_VERSION, "dtype": dtype.name, "num_tokens": int(offsets[-1]), "num_documents": len(documents),
-        "eos_id": eos_id, "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256,
-        "splits": {k: {"documents": int((split_ids == c).sum()), "tokens": int(lengths[split_ids == c].sum())}
-                   for k, c in SPLITS.items()},
-        "files": file_entries(path, names),
-    }
-    (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    lengths = np.array([len(d) for d in documents], dtype=np.int64)
+    split_ids = np.zeros(len(documents), np.uint8) if split_ids is None else split_ids
+    finish_store(path, lengths, split_ids, dtype=dtype, eos_id=eos_id, vocab_size=vocab_size,
+                 tokenizer_sha256=tokenizer_sha256, has_mask=loss_masks is not None)
     return TokenStore(path)
 
 
@@ -178,17 +195,22 @@ class TokenStore:
         """Tokens of document `index` (ending with EOS), as a read-only view of the memory map."""
         return self.tokens[int(self.offsets[index]):int(self.offsets[index + 1])]
 
+    def unigram_distribution(self, split: str = "train") -> np.ndarray:
+        """Frequency of each token id in the split (float64 [vocab_size], sums to 1)."""
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for start, stop in self._token_ranges(split):
+            for lo in range(start, stop, _CHUNK):
+                counts += np.bincount(self.tokens[lo:min(lo + _CHUNK, stop)], minlength=self.vocab_size)
+        return counts / max(counts.sum(), 1)
+
     def unigram_entropy(self, split: str = "train") -> float:
         """Entropy in nats of the split's token frequencies: the loss of the best context-free predictor.
 
         A language model that learned anything beyond token frequencies sits below it; the demo prints
         both so a user sees the model used the context.
         """
-        counts = np.zeros(self.vocab_size, dtype=np.int64)
-        for start, stop in self._token_ranges(split):
-            for lo in range(start, stop, _CHUNK):
-                counts += np.bincount(self.tokens[lo:min(lo + _CHUNK, stop)], minlength=self.vocab_size)
-        p = counts[counts > 0] / max(counts.sum(), 1)
+        p = self.unigram_distribution(split)
+        p = p[p > 0]
         return float(-(p * np.log(p)).sum())
 
     def _token_ranges(self, split: str) -> list[tuple[int, int]]:
