@@ -49,6 +49,7 @@ class TrainConfig:
     resume: str = ""  # "auto": the newest checkpoint under save_dir that verifies, else a fresh start; or a directory
     allow_batch_change: bool = False  # resume even if global batch or seq_len differ from the checkpoint's
     export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
+    sample_tokens: int = 32  # at the end, greedy-continue a held-out prompt by this many tokens (store data); 0: off
     eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
     eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)
     # Reliability (docs/reliability.md): checkpoints, restarts, non-finite steps, hung ranks.

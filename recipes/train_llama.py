@@ -351,8 +351,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         prof.stop()
     bar.close()
     ckpt.close()
-    # Hook for a generated sample (issue #14, pm.generate): with a token store, `data.prompt()` gives a
-    # held-out prompt's ids and the store's tokenizer to decode the continuation with.
+    if cfg.sample_tokens and hasattr(data, "prompt"):  # token-store data: a held-out prompt, continued
+        _print_sample(pm, data, cfg.sample_tokens, rank)
     if cfg.export_hf:
         pm.save_hf_checkpoint(cfg.export_hf)
     logger.close()
@@ -387,6 +387,21 @@ def _warn_once() -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         warnings.simplefilter("ignore")
         hf_logging.set_verbosity_error()
+
+
+def _print_sample(pm: meshkit.ParallelModel, data: Any, tokens: int, rank: int) -> None:
+    """Greedy continuation of a held-out prompt (collective); skipped, with a note, for a store that
+    holds no tokenizer to decode with (the same on every rank: they read the same files)."""
+    try:
+        prompt, tok = data.prompt()
+    except ValueError as err:
+        if rank == 0:
+            print(f"meshkit: sample skipped ({err})", flush=True)
+        return
+    sample = pm.generate(prompt, max_new_tokens=tokens, eos_token_id=tok.eos_token_id)
+    if rank == 0:
+        print(f"meshkit: sample (greedy) | {tok.decode(prompt[0])!r} -> {tok.decode(sample[0, prompt.shape[1]:])!r}",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

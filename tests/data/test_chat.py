@@ -4,12 +4,17 @@ and a training loss that counts only assistant tokens (against a hand-built sing
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshkit
 from meshkit.data import TokenStore
@@ -114,3 +119,38 @@ def test_sft_loss_counts_only_assistant_tokens(dist, chat_store):
     root, _ = chat_store
     for rank, r in enumerate(dist(2).run(_sft_loss_on_rank, str(root))):
         assert abs(r["loss"] - r["ref"]) <= 1e-5, f"rank {rank}: SFT loss {r['loss']} vs hand-built {r['ref']}"
+
+
+def _sft_recipe(root: str) -> dict:
+    """recipes/configs/sft_chat.toml as a user runs it: --model-path, the chat store, --export-hf."""
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    if str(recipes) not in sys.path:
+        sys.path.insert(0, str(recipes))
+    spec = importlib.util.spec_from_file_location("train_llama", recipes / "train_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_llama"] = module
+    spec.loader.exec_module(module)
+    args = module.build_parser().parse_args([
+        "--config", str(recipes / "configs" / "sft_chat.toml"), "--model-path", f"{root}/model",
+        "--path", f"{root}/store", "--export-hf", f"{root}/out", "--steps", "2", "--seq-len", "32",
+        "--local-batch", "2", "--lr", "1e-2", "--eval-every", "0", "--sample-tokens", "4", "--threads", "1",
+        "--log-dir", f"{root}/runs"])
+    run = module.apply_cli(module.load_config(args.config), args)
+    run.train = dataclasses.replace(run.train, name="sft")
+    return module.train(run)
+
+
+def test_sft_recipe_fine_tunes_from_a_model_path_and_exports(dist, chat_store):
+    root, tok = chat_store
+    torch.manual_seed(0)
+    start = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                         max_position_embeddings=64, tie_word_embeddings=False))
+    start.save_pretrained(str(root / "model"))
+    tok.save_pretrained(str(root / "model"))  # the model's own tokenizer: the store's, so the check passes
+    outcomes = dist(2).run_raw(_sft_recipe, str(root))
+    assert all(o.ok for o in outcomes), "\n".join(f"rank {o.rank}: {o.message}\n{o.traceback}" for o in outcomes)
+    assert "meshkit: sample (greedy)" in outcomes[0].output, outcomes[0].output[-2000:]
+    tuned = LlamaForCausalLM.from_pretrained(str(root / "out"))
+    moved = [n for n, p in tuned.state_dict().items() if not torch.equal(p, start.state_dict()[n])]
+    assert "lm_head.weight" in moved and len(moved) > len(tuned.state_dict()) // 2, moved

@@ -24,9 +24,9 @@ def _printed_plans(text: str) -> list[str]:
 
 def test_printed_plans_round_trip_through_from_string():
     device = dataclasses.replace(DEVICES["h100"], memory_bytes=256 * 2**20)
-    result = plan_search.search(MODEL, 8, 1024, 32 * 1024, device, top=8)
+    result = plan_search.search(MODEL, 4, 1024, 16 * 1024, device, top=8)
     assert result.plans
-    text = plan_search.render(result, plan_search.budget(device), 8)
+    text = plan_search.render(result, plan_search.budget(device), 4)
     printed = _printed_plans(text)
     assert len(printed) >= len(result.plans), text
     for cand, line in zip(result.plans, printed):
@@ -34,7 +34,7 @@ def test_printed_plans_round_trip_through_from_string():
 
 
 def test_short_sequences_get_plans_without_context_parallelism():
-    result = plan_search.search(MODEL, 8, 256, 32 * 256, DEVICES["h100"], top=50)
+    result = plan_search.search(MODEL, 4, 256, 16 * 256, DEVICES["h100"], top=50)
     assert result.plans, "seq below 512 answered with nothing"
     assert all(c.plan.cp == 1 for c in result.plans)
     assert any("fewer than 512 tokens per context shard" in why for why in result.removed)
