@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.context_parallel.sharding import required_multiple
+from meshkit.pipeline.schedules import SCHEDULES as PP_SCHEDULES
+from meshkit.pipeline.schedules import stages_per_rank
 from meshkit.plan_rules import cp_problems, model_problems, pp_problems
 from meshkit.zero.rules import memory_problems
 
@@ -28,8 +30,7 @@ else:  # pragma: no cover
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
-CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -184,10 +185,16 @@ class Plan:
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per pipeline step (`pp_microbatches`, defaulting to pp; 1 without pipelining)."""
+        """Microbatches per pipeline step (`pp_microbatches`, defaulting to the stage count; 1 without pipelining)."""
         if self.pp_microbatches is not None:
             return self.pp_microbatches
-        return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
+        return self.pp * self.pp_stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Stages each pipeline rank holds: `pp_virtual_stages`, but always two under the V schedules
+        (zb_v, dualpipe_v), whose placement is the V itself."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages)
 
     @property
     def fsdp_reshard(self) -> bool:
@@ -201,14 +208,15 @@ class Plan:
     @property
     def cp_layout(self) -> str:
         """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
-        return "zigzag" if self.cp_attention in ("zigzag", "usp") else "contiguous"
+        return "zigzag" if self.cp_attention in ("zigzag", "allgather", "usp") else "contiguous"
 
     @property
     def ulysses_degree(self) -> int:
-        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP)."""
+        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP and
+        the all-gather kind's 2D variant)."""
         if self.cp_attention == "ulysses":
             return self.cp
-        return self.cp_ulysses if self.cp_attention == "usp" else 1
+        return self.cp_ulysses if self.cp_attention in ("usp", "allgather") else 1
 
     def seq_multiple(self) -> int:
         """Sequence lengths must be a multiple of this: cp's layout times the SP split of each cp shard."""

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from meshkit._compat import fsdp_post_backward
 from meshkit.data_parallel import reshard_fsdp
+from meshkit.pipeline.actions import Action, ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
-from meshkit.pipeline.schedules import Action, ActionKind, Schedule
 from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
 from meshkit.zero.stages import fsdp_roots
