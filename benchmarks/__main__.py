@@ -28,6 +28,7 @@ BENCHMARKS = [
     ("context_parallel", ["--out", str(RESULTS / "context_parallel.md")], True),
     ("pipeline", ["--out", str(RESULTS)], True),
     ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),
+    ("memory", ["--out", str(RESULTS)], False),
     ("charts", ["--out", str(RESULTS)], False),  # after context_parallel: plots its measured memory table
     ("gpu_mfu", [], True),  # prints "no CUDA device: skipped" without a GPU
 ]
