@@ -1,8 +1,8 @@
 """Plan search (`python -m meshkit.plan_search`): the Playbook's "best configuration" procedure, automated with meshkit's estimator.
 
 1. Fit memory first. Every layout (pp, dp_replicate, dp_shard, cp, tp, and ep for MoE models) is tried with each
-   activation-checkpointing mode and microbatch size; a plan is kept only if the peak memory of its
-   worst rank fits the device's budget.
+   activation-checkpointing mode, microbatch size, ZeRO stage and gradient-sync policy; a plan is kept
+   only if the peak memory of its worst rank fits the device's budget.
 2. Then meet the global batch: microbatches per step = global tokens / (dp * mbs * seq).
 3. Then scale: rank what fits by estimated step time (compute at an assumed efficiency, the pipeline
    bubble from meshkit's simulator, and the communication the overlap cannot hide).
@@ -150,20 +150,28 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                         check_structure(scheduled, config, world, seq)
                     except PlanError:
                         continue
-                # Least recompute first: once a mode fits, the heavier ones are never faster.
+                # Least recompute first, and within a mode the memory options that move fewest bytes
+                # first: once one fits, the heavier ones are never faster.
+                fitted = False
                 for ac in AC_ORDER:
-                    plan = dataclasses.replace(scheduled, activation_checkpointing=ac)
-                    try:
-                        e = estimate(config, plan, world, workload, device)
-                    except ValueError as error:
-                        reasons.setdefault(fam, f"not estimable: {error}")
-                        break
-                    considered += 1
-                    peak = e.peak_bytes
-                    if fam not in best or peak < best[fam][0]:
-                        best[fam] = (peak, _dominant(e))
-                    if peak <= limit:
-                        fits.append(Candidate(e.plan, workload, e))
+                    for zero, grad_sync in memory_options(scheduled, workload):
+                        plan = dataclasses.replace(scheduled, activation_checkpointing=ac, zero=zero,
+                                                   grad_sync=grad_sync)
+                        try:
+                            e = estimate(config, plan, world, workload, device)
+                        except ValueError as error:
+                            reasons.setdefault(fam, f"not estimable: {error}")
+                            fitted = True  # nothing else of this layout is estimable either
+                            break
+                        considered += 1
+                        peak = e.peak_bytes
+                        if fam not in best or peak < best[fam][0]:
+                            best[fam] = (peak, _dominant(e))
+                        if peak <= limit:
+                            fits.append(Candidate(e.plan, workload, e))
+                            fitted = True
+                            break
+                    if fitted:
                         break
     fits.sort(key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes))
     by_family: dict[str, Candidate] = {}
@@ -178,6 +186,17 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
         if fam not in by_family and fam not in rejected:
             rejected[fam] = why
     return SearchResult(fits[:top], rejected, considered, by_family, removed)
+
+
+def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str]]:
+    """(zero, grad_sync) pairs worth estimating, fewest bytes moved first: ZeRO-2 gathers parameters
+    once per step where ZeRO-3 gathers them per call and again in backward; syncing gradients once
+    per window beats syncing every call. ZeRO-1 moves what ZeRO-2 does with more memory, so it never
+    wins. Host offload is not searched: the estimate has no model of the host step's time."""
+    if plan.dp_shard * plan.cp == 1:
+        return [(plan.zero, plan.grad_sync)]
+    policies = ("last_microbatch", "every_microbatch") if workload.calls(plan) > 1 else ("every_microbatch",)
+    return [(zero, sync) for zero in (2, 3) for sync in policies]
 
 
 def _dominant(e: Estimate) -> str:
