@@ -64,6 +64,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
                                            tied=parts.tied, param_dtype=plan.param_dtype,
                                            reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard)
+        data_parallel.skip_embedding_regather(stages.values())
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,

@@ -75,7 +75,8 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     TP/SP and Ulysses collectives sit between matmuls (nothing to hide behind in meshkit), so all
     their time is exposed; FSDP's all-gather of the next block hides behind the current block's
     forward and its reduce-scatter behind the next backward; ring attention sends the next K/V
-    block while the current one is computed. Recompute re-issues what it re-runs: the SP
+    block while the current one is computed, the all-gather kind its one gather per layer while the
+    causal diagonals are. Recompute re-issues what it re-runs: the SP
     all-gathers under selective AC (their outputs are not saved), plus the attention-side
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
     before the MLP's reduce-scatter).
@@ -144,8 +145,9 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         if tied_root:  # a tied weight lives in FSDP's root unit with the final norm; FSDP2 never reshards the root
             units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
         # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
-        # nothing to hide behind; the head unit is the last and is never resharded after forward.
-        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, reshard),
+        # nothing to hide behind and never again (its backward reads only the token ids); the head unit
+        # is the last and is never resharded after forward.
+        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, False),
                       ("head", int(bool(units["head"])), t_block_fwd, False)]
         for name, count, hide, regather in plan_units:
             if not count or fsdp == 1:
@@ -186,12 +188,22 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("cp", "all_to_all", f"Ulysses over {uly}: q/k/v in, output back (fwd, bwd, recompute)",
                 m * blocks * (2 + 2 + 2 * rec), (packed + q_loc * act) / 2, uly, None)
             kv_loc *= kv_rep  # after Ulysses a ring rank holds uly x the tokens of kv*kv_rep/uly heads
-        if ring > 1:
-            # attention work per ring step: causal, so half the square the FLOP convention counts
-            step = 2 * mbs * seq * seq * uly * (heads // plan.tp) * d / (device.peak_flops * workload.mfu)
+        red = dtype_bytes(plan.reduce_dtype)  # dK/dV travel in the reduce dtype (accumulated in fp32)
+        # attention work per ring step: causal, so half the square the FLOP convention counts
+        step = 2 * mbs * seq * seq * uly * (heads // plan.tp) * d / (device.peak_flops * workload.mfu)
+        if ring > 1 and kind == "allgather":
+            # one gather of [K; V] per layer (again in recompute), kept for backward, hidden behind the
+            # two causal diagonal chunks (half a ring step's work); one reduce-scatter of [dK; dV] that
+            # nothing hides
+            add("cp", "all_gather", "all-gather K/V (fwd, recompute)", m * blocks * (1 + rec),
+                ring * 2 * kv_loc * act, ring, step / 2)
+            add("cp", "reduce_scatter", f"all-gather: dK/dV in {plan.reduce_dtype} (bwd)", m * blocks,
+                ring * 2 * kv_loc * red, ring, None)
+        elif ring > 1:
             add("cp", "p2p", "ring: K/V blocks (fwd, recompute, bwd)", m * blocks * (ring - 1) * (2 + rec),
                 2 * kv_loc * act, ring, step)
-            add("cp", "p2p", "ring: dK/dV in fp32 (bwd)", m * blocks * ring, 2 * kv_loc * 4, ring, step)
+            add("cp", "p2p", f"ring: dK/dV in {plan.reduce_dtype} (bwd)", m * blocks * ring, 2 * kv_loc * red,
+                ring, step)
 
     if experts is not None:
         opts = moe.layer_options(config)

@@ -5,7 +5,8 @@
    worst rank fits the device's budget.
 2. Then meet the global batch: microbatches per step = global tokens / (dp * mbs * seq).
 3. Then scale: rank what fits by estimated step time (compute at an assumed efficiency, the pipeline
-   bubble from meshkit's simulator, and the communication the overlap cannot hide).
+   bubble from meshkit's simulator, and the communication the overlap cannot hide). Under cp > 1 the
+   zig-zag ring and the all-gather kind are both estimated and the faster one that fits is kept.
 
 A *family* is the set of parallelisms a plan uses ("fsdp", "tp+fsdp", "pp+tp+fsdp", ...). For every
 family with no fitting plan the result says why: the smallest peak any of its plans reached, and
@@ -57,6 +58,8 @@ class Candidate:
         """One line: degrees, AC mode, microbatching."""
         w = self.workload
         text = f"{self.plan.describe()} ac={self.plan.activation_checkpointing} mbs={w.mbs} m={w.microbatches}"
+        if self.plan.cp > 1:
+            text += f" cp_attention={self.plan.cp_attention}"
         if self.plan.pp > 1:
             v = self.plan.pp_virtual_stages
             text += f" {self.plan.pp_schedule}" + (f"(v={v})" if v > 1 else "")
@@ -80,6 +83,14 @@ def family(plan: Plan) -> str:
     elif plan.dp_shard > 1:
         parts.append("fsdp")
     return "+".join(parts) or "single"
+
+
+def cp_kinds(plan: Plan) -> tuple[str, ...]:
+    """The CP kinds the search weighs against each other for a layout: the zig-zag ring (K/V never
+    held whole, transfers overlapped step by step) and the all-gather (fewer bytes and calls, the
+    whole sequence's K/V held per layer). Ulysses needs head counts a layout may not have and is
+    left to the user."""
+    return ("zigzag", "allgather") if plan.cp > 1 else (plan.cp_attention,)
 
 
 def _powers(limit: int) -> list[int]:
@@ -142,18 +153,25 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                         continue
                 # Least recompute first: once a mode fits, the heavier ones are never faster.
                 for ac in AC_ORDER:
-                    plan = dataclasses.replace(scheduled, activation_checkpointing=ac)
-                    try:
-                        e = estimate(config, plan, world, workload, device)
-                    except ValueError as error:
-                        reasons.setdefault(fam, f"not estimable: {error}")
+                    options, errors = [], 0
+                    for kind in cp_kinds(scheduled):
+                        plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind)
+                        try:
+                            e = estimate(config, plan, world, workload, device)
+                        except ValueError as error:
+                            reasons.setdefault(fam, f"not estimable: {error}")
+                            errors += 1
+                            continue
+                        considered += 1
+                        peak = e.peak_bytes
+                        if fam not in best or peak < best[fam][0]:
+                            best[fam] = (peak, _dominant(e))
+                        if peak <= limit:
+                            options.append(Candidate(e.plan, workload, e))
+                    if options:  # the CP kind the numbers favour: faster, then smaller
+                        fits.append(min(options, key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes)))
                         break
-                    considered += 1
-                    peak = e.peak_bytes
-                    if fam not in best or peak < best[fam][0]:
-                        best[fam] = (peak, _dominant(e))
-                    if peak <= limit:
-                        fits.append(Candidate(e.plan, workload, e))
+                    if errors == len(cp_kinds(scheduled)):
                         break
     fits.sort(key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes))
     by_family: dict[str, Candidate] = {}
