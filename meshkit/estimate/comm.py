@@ -120,10 +120,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
                 h * 4, t, None)
         else:
-            # Backward all-reduces the input gradient of each colwise linear separately (q, k, v, gate,
-            # up: DTensor reduces each module's Partial gradient); recompute re-runs o's all-reduce.
-            add("tp", "all_reduce", "TP: o/down outputs (fwd), q/k/v/gate/up input grads (bwd), recompute",
-                m * (blocks * (7 + (ac != "none")) + edges), bsh, t, None)
+            # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
+            # share one Replicate DTensor input); recompute re-runs o's all-reduce.
+            add("tp", "all_reduce", "TP: o/down outputs (fwd), attention/MLP input grads (bwd), recompute",
+                m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
             add("tp", "all_reduce", "MoE router/expert gradient shards (each rank routed its own tokens)",
                 workload.calls(plan) * state.tp_summed_tensors, state.tp_summed_elements * 4 / state.tp_summed_tensors,
