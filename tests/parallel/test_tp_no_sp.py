@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
 from tests_support import assert_matches_reference
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshkit
 from meshkit.comm_counter import CommCounter
