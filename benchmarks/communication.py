@@ -25,7 +25,9 @@ here.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+import matplotlib
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,6 +38,9 @@ import meshkit
 from benchmarks.launch import run_ranks
 from benchmarks.report import emit, machine_line, table
 from meshkit.comm_counter import CommCounter
+
+matplotlib.use("Agg")  # headless
+import matplotlib.pyplot as plt  # noqa: E402
 
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, use_cache=False)
@@ -142,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
              machine_line(), f"- model: {MODEL['num_hidden_layers']} Llama blocks, hidden {MODEL['hidden_size']}, "
              f"{MODEL['num_attention_heads']} q / {MODEL['num_key_value_heads']} kv heads, vocab {MODEL['vocab_size']}; "
              f"batch {BATCH} x {SEQ} tokens; 2 gloo ranks; wire bytes one rank sends", ""]
+    charted: dict[str, tuple[float, float]] = {}
     for d in dtypes:
         act, red = (4, 4) if d == "fp32" else (2, 4)
         rows, got = [], {k: cp_bytes(f"cp/{k}/{d}") for k in CP_KINDS}
         cheapest = min(got, key=got.get)
         for k in CP_KINDS:
             mini = _cp_minimum(k, act, red)
+            charted[f"cp {k} {d.split()[0]}"] = (got[k] / mini, got[k] / got[cheapest])
             rows.append([k, f"{got[k]:,.0f}", f"{mini:,.0f}", f"{got[k] / mini:.2f}", cheapest,
                          f"{got[k] / got[cheapest]:.2f}"])
         lines += [f"## CP, cp=2, {d}", ""] + table(
@@ -155,17 +162,38 @@ def main(argv: list[str] | None = None) -> int:
     fsdp = {k: sum(measured[k].get(c, 0) for c in ("all_gather", "reduce_scatter"))
             for k in ("fsdp/meshkit", "fsdp/hand-written fully_shard")}
     mini, best = _fsdp_minimum(), min(fsdp.values())
+    charted.update({f"FSDP {k.split('/')[1].split()[0]}": (v / mini, v / best) for k, v in fsdp.items()})
     lines += ["## FSDP, dp_shard=2 (all-gather + reduce-scatter)", ""] + table(
         ["layout", "measured B", "minimum B", "measured / minimum", "/ cheapest"],
         [[k.split("/")[1], f"{v:,.0f}", f"{mini:,.0f}", f"{v / mini:.2f}", f"{v / best:.2f}"] for k, v in fsdp.items()])
     tp = {k: sum(v for c, v in measured[k].items() if c != "send") for k in ("tp/TP+SP", "tp/TP")}
     best = min(tp.values())
+    charted.update({k.split("/")[1]: (v / _tp_minimum(k.endswith("SP")), v / best) for k, v in tp.items()})
     lines += ["## TP, tp=2 (activation-sized collectives)", ""] + table(
         ["layout", "measured B", "minimum B", "measured / minimum", "/ cheapest"],
         [[k.split("/")[1], f"{v:,.0f}", f"{_tp_minimum(k.endswith('SP')):,.0f}",
           f"{v / _tp_minimum(k.endswith('SP')):.2f}", f"{v / best:.2f}"] for k, v in tp.items()])
     emit(lines, args.out)
+    if args.out:
+        _chart(Path(args.out).with_name("communication_bytes.png"), charted)
     return 0
+
+
+def _chart(path: Path, bars: dict[str, tuple[float, float]]) -> None:
+    """Bytes per step of each scheme, as a multiple of its own minimum and of the cheapest scheme."""
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    names = list(bars)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [bars[n][0] for n in names], 0.4, label="measured / scheme's minimum")
+    ax.bar([i + 0.2 for i in x], [bars[n][1] for n in names], 0.4, label="measured / cheapest scheme")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ratio")
+    ax.set_title("Bytes per training step, 2 ranks (benchmarks.communication)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
