@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -206,6 +208,24 @@ def torch_pipeline_order(schedule):
     return order if isinstance(order, dict) else None
 
 
+def dcp_async_save(state, checkpoint_id: str, planner, group):
+    """`torch.distributed.checkpoint.async_save` (marked experimental) as a plain Future of the upload.
+
+    torch returns a Future, or an `AsyncSaveResponse` whose `upload_completion` is that Future when
+    its stager stages asynchronously; callers only wait for the files.
+    """
+    result = dcp.async_save(state, checkpoint_id=checkpoint_id, planner=planner, process_group=group)
+    return getattr(result, "upload_completion", result)
+
+
+def default_store():
+    """The store the default process group rendezvoused with (the heartbeat's channel), or None."""
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """All-gather into one tensor (ranks' inputs concatenated on dim 0): torch 2.13 renamed
     `all_gather_into_tensor` to `all_gather_single` and deprecates the old name; 2.11 has only that.
@@ -218,3 +238,70 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> N
     """Summing reduce-scatter of one tensor (dim 0 split over ranks), under either torch's name."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+def collective_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds as its CPU backend holds it, or None.
+
+    Read back (not taken from the config) so a log line shows the timeout really in force.
+    """
+    try:
+        backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def fsdp_unsharded_tensors(root) -> tuple[list, list]:
+    """(gathered parameter tensors, unreduced full gradients) FSDP2 holds right now under `root`, as
+    local tensors, through its private per-parameter state: the memory estimator's tests and the
+    memory benchmark count them, since neither is reachable once a unit is resharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    def local(t):
+        return getattr(t, "_local_tensor", t)
+
+    gathered, grads = [], []
+    for each in fully_shard.state(root)._state_ctx.all_states:
+        groups = getattr(each, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [each._fsdp_param_group] if each._fsdp_param_group is not None else []
+        for group in groups:
+            for param in group.fsdp_params:
+                if not hasattr(param, "_unsharded_param"):
+                    continue
+                unsharded = param._unsharded_param
+                if local(unsharded).untyped_storage().size() > 0:
+                    gathered.append(local(unsharded))
+                grad = param.unsharded_accumulated_grad
+                grad = unsharded.grad if grad is None else grad
+                if grad is not None:
+                    grads.append(local(grad))
+    return gathered, grads
+
+
+def fsdp_after_unit_reduce(module, callback) -> None:
+    """Call `callback(sharded_params)` each time the FSDP2 unit `module` has reduced its gradients
+    (after its post-backward issued the reduce-scatter, once the result may be read on the current
+    stream), by wrapping the unit's private parameter-group `post_backward`: FSDP2 assigns the sharded
+    gradients directly, so no tensor hook fires for them. The fused optimizer steps there."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    for group in groups:
+        original = group.post_backward
+
+        def post_backward(*args, _group=group, _original=original):
+            reduced = _group.reduce_grads
+            out = _original(*args)
+            if reduced:
+                event = getattr(_group, "_post_reduce_event", None)
+                if event is not None:
+                    _group.device_handle.current_stream().wait_event(event)
+                callback([p.sharded_param for p in _group.fsdp_params])
+            return out
+
+        group.post_backward = post_backward

@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from meshkit.expert_parallel import expert_split_problem
+from meshkit.models import roles
 from meshkit.models.moe import moe_spec
 
 if TYPE_CHECKING:
@@ -31,14 +32,26 @@ def pp_problems(plan: Plan) -> list[str]:
                 f"pp_microbatches={m}: interleaved 1F1B needs at least pp={plan.pp} microbatches; fix: "
                 f"pp_microbatches={plan.pp} or more"
             )
+    elif plan.pp_schedule in ("zb_v", "dualpipe_v"):
+        if v not in (1, 2):
+            problems.append(
+                f"pp_virtual_stages={v} with pp_schedule={plan.pp_schedule!r}: V schedules always hold two stages per "
+                f"rank (stage r and 2*pp-1-r); fix: leave pp_virtual_stages at 1 or set it to 2"
+            )
+        if plan.pp_schedule == "dualpipe_v" and plan.pp > 1 and m < 2 * plan.pp:
+            problems.append(
+                f"pp_microbatches={m}: DualPipeV needs at least 2*pp={2 * plan.pp} microbatches; fix: "
+                f"pp_microbatches={2 * plan.pp} or more, or pp_schedule='zb_v'"
+            )
     elif v != 1:
         problems.append(
             f"pp_virtual_stages={v} with pp_schedule={plan.pp_schedule!r}: only interleaved_1f1b runs several "
             f"stages per rank; fix: pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'"
         )
-    if plan.pp_split and len(plan.pp_split) != plan.pp * v - 1:
+    stages = plan.pp * plan.pp_stages_per_rank
+    if plan.pp_split and len(plan.pp_split) != stages - 1:
         problems.append(
-            f"pp_split={list(plan.pp_split)}: {plan.pp * v} stages need {plan.pp * v - 1} split points (the first "
+            f"pp_split={list(plan.pp_split)}: {stages} stages need {stages - 1} split points (the first "
             f"layer of every stage after the first)"
         )
     return problems
@@ -82,11 +95,12 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
         return [f"model config {type(config).__name__} lacks {missing}: meshkit supports Llama-family "
                 f"decoder configs (Llama, Qwen2/3, Mistral); fix: pass such a model"]
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     tp = plan.tp
     if tp > 1:
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                            ("intermediate_size", config.intermediate_size)):
+        heads_problem = roles.tp_degree_problem(config, tp)
+        if heads_problem:
+            problems.append(heads_problem)
+        for name, value in (("intermediate_size", config.intermediate_size),):
             if value % tp:
                 divisors = [d for d in range(1, value + 1) if value % d == 0]
                 problems.append(
@@ -98,11 +112,11 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
                 f"tp={tp}: the vocab-parallel embedding and LM head split vocab_size={config.vocab_size}, and {tp} does "
                 f"not divide it; fix: pad the vocabulary to {math.ceil(config.vocab_size / tp) * tp}"
             )
-    stages = plan.pp * plan.pp_virtual_stages
+    stages = plan.pp * plan.pp_stages_per_rank if plan.pp > 1 else 1
     if stages > 1:
         if config.num_hidden_layers + 2 < stages:
             problems.append(
-                f"pp={plan.pp} x pp_virtual_stages={plan.pp_virtual_stages}: {stages} pipeline stages need at least "
+                f"pp={plan.pp} x {plan.pp_stages_per_rank} stages per rank: {stages} pipeline stages need at least "
                 f"{stages - 2} decoder layers (embedding and head count as one each); the model has "
                 f"{config.num_hidden_layers}; fix: fewer stages"
             )

@@ -28,13 +28,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshkit.models import llama
+from meshkit.models import roles as roles_lib
+from meshkit.tensor_parallel_rows import apply_selected_rows
 
 
 def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, object]:
     seq = Shard(1)
     styles: dict[str, object] = {}
     for name, role in roles.items():
-        if role == "colwise":
+        if role in ("colwise", "kv_colwise"):
             styles[name] = ColwiseParallel()
         elif role == "rowwise":
             styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
@@ -93,8 +95,13 @@ def apply_tensor_parallel(
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+    rank = tp_mesh.get_local_rank()
     for block in parts.blocks:
-        parallelize_module(block, tp_mesh, _block_styles(llama.block_roles(block), sequence_parallel))
+        roles = roles_lib.block_roles(block, parts.config)
+        rows = roles_lib.selected_rows(roles, parts.config, tp_mesh.size(), rank)
+        apply_selected_rows(block, rows, tp_mesh)
+        kept = {name: role for name, role in roles.items() if name not in rows}
+        parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
     if sequence_parallel:
         parallelize_module(parts.norm, tp_mesh, SequenceParallel())
     head = ColwiseParallel(

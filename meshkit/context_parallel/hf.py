@@ -58,12 +58,30 @@ class ContextParallelAttention:
             return usp_attention(q_BHSD, k_BHSD, v_BHSD, self.ulysses_group, self.ring_group, causal=True,
                                  layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS,
                                  outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype)
+        if k_BHSD.shape[2] != q_BHSD.shape[2]:
+            return _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
         if doc_ids_BS is not None:
             out, _ = attention_block(q_BHSD, k_BHSD, v_BHSD, causal_kind="causal", scale=scale,
                                      q_doc_BS=doc_ids_BS, kv_doc_BS=doc_ids_BS)
             return out
         return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale,
                                               enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
+
+
+def _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS) -> torch.Tensor:
+    """Queries that are the LAST positions of a longer key sequence (decoding with a KV cache).
+
+    SDPA's `is_causal` aligns the mask top-left when the lengths differ, which would hide the cached
+    keys from the new queries; the mask here is aligned bottom-right: query i sees keys up to
+    i + (keys - queries). Packed documents never reach a cache (generation runs one document a row).
+    """
+    if doc_ids_BS is not None:
+        raise ValueError("meshkit attention: packed documents (position_ids restarting) cannot use a KV cache")
+    sq, sk = q_BHSD.shape[2], k_BHSD.shape[2]
+    rows = torch.arange(sq, device=q_BHSD.device).unsqueeze(1) + (sk - sq)
+    mask_QK = torch.arange(sk, device=q_BHSD.device).unsqueeze(0) <= rows
+    return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_QK, scale=scale,
+                                          enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
 
 
 def meshkit_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit.estimate import moe
+from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.mesh import AXES
 from meshkit.models import llama
@@ -97,6 +98,11 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         out.append(dataclasses.replace(c, exposed=exposed))
 
     experts = moe.require_supported(config)
+    fsdp_applied = plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32" or \
+        plan.offload != "none"
+    # Sums meshkit issues on gradient shards (MoE weights over tp, tied copies over pp) run per call,
+    # on what FSDP reduced: once per window when gradients sync only on the window's last call.
+    shard_sums = 1 if fsdp_applied and plan.grad_sync == "last_microbatch" else workload.calls(plan)
     if plan.tp > 1:
         t, bsh = plan.tp, mbs * seq * h * act
         first, last_stage = state.unit_elements["embed"] > 0, state.unit_elements["head"] > 0
@@ -126,7 +132,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
             add("tp", "all_reduce", "MoE router/expert gradient shards (each rank routed its own tokens)",
-                workload.calls(plan) * state.tp_summed_tensors, state.tp_summed_elements * 4 / state.tp_summed_tensors,
+                shard_sums * state.tp_summed_tensors, state.tp_summed_elements * 4 / state.tp_summed_tensors,
                 t, None)
         if last_stage:
             if plan.loss_parallel:
@@ -136,8 +142,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
 
     fsdp, rep = plan.dp_shard * plan.cp, plan.dp_replicate
     if fsdp > 1 or rep > 1:
-        syncs = workload.calls(plan)  # once per forward_backward call (PP keeps units gathered across its microbatches)
-        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        calls = workload.calls(plan)  # forward_backward calls (PP keeps units gathered across its microbatches)
+        gathers = calls if plan.zero == 3 else 1  # ZeRO-1/2 keep the gathered units through the window
+        syncs = calls if plan.grad_sync == "every_microbatch" else 1
+        reshard = plan.fsdp_reshard
         units = state.unit_elements
         t_bwd = 2 * t_block_fwd + t_block_rec
         red = dtype_bytes(plan.reduce_dtype)
@@ -146,30 +154,35 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
         # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
         # nothing to hide behind and never again (its backward reads only the token ids); the head unit
-        # is the last and is never resharded after forward.
+        # is the last and is never resharded after forward. Under a V the first and last stage share pp
+        # rank 0: a tied embedding is two units there (the embedding, and the head's copy, which its
+        # backward does read), each its own stage's.
+        ends = stage_ranks(plan)
+        copies = 2 if getattr(config, "tie_word_embeddings", False) and plan.pp > 1 and ends[0] == ends[-1] else 1
         plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, False),
+                      *([("embed", int(bool(units["embed"])), None, reshard)] if copies == 2 else []),
                       ("head", int(bool(units["head"])), t_block_fwd, False)]
         for name, count, hide, regather in plan_units:
             if not count or fsdp == 1:
                 continue
-            add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters (fwd)", syncs * count, units[name] * act,
+            add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters (fwd)", gathers * count, units[name] * act,
                 fsdp, hide)
             if regather:
-                add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters again (bwd)", syncs * count,
+                add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters again (bwd)", gathers * count,
                     units[name] * act, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {name} gradients ({plan.reduce_dtype})", syncs * count,
                 units[name] * red, fsdp, t_bwd / 2 if name == "block" else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
-            count = blocks + sum(1 for k in ("embed", "head") if units[k])
-            total = units["block"] * blocks + units["embed"] + units["head"]
+            count = blocks + copies * bool(units["embed"]) + bool(units["head"])
+            total = units["block"] * blocks + copies * units["embed"] + units["head"]
             add("dp_replicate", "all_reduce", "HSDP: gradient shards", syncs * count, total * red / fsdp / count,
                 rep, t_bwd)
         if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
             shards, unit = fsdp // plan.ep, units["expert"]
-            add("ep_fsdp", "all_gather", "FSDP: expert parameters (fwd)", syncs * blocks, unit * act, shards,
+            add("ep_fsdp", "all_gather", "FSDP: expert parameters (fwd)", gathers * blocks, unit * act, shards,
                 t_block_fwd)
             if reshard:
-                add("ep_fsdp", "all_gather", "FSDP: expert parameters again (bwd)", syncs * blocks, unit * act,
+                add("ep_fsdp", "all_gather", "FSDP: expert parameters again (bwd)", gathers * blocks, unit * act,
                     shards, t_bwd / 2)
             add("ep_fsdp", "reduce_scatter", f"FSDP: expert gradients ({plan.reduce_dtype})", syncs * blocks,
                 unit * red, shards, t_bwd / 2)
@@ -222,9 +235,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     if plan.pp > 1:
         # Messages the busiest rank sends: each of its stages sends its output forward (but the last
         # stage) and its input gradient backward (but the first stage), once per microbatch.
-        v = plan.pp_virtual_stages
-        stages = plan.pp * v
-        sends = max(sum((s < stages - 1) + (s > 0) for s in range(r, stages, plan.pp)) for r in range(plan.pp))
+        owner = stage_ranks(plan)  # a boundary between two stages of one rank (the V's turn) sends nothing
+        stages = len(owner)
+        sends = max(sum((s < stages - 1 and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
+                        for s in range(stages) if owner[s] == r) for r in range(plan.pp))
         boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
         add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m, boundary, 2, 0.0)
         if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them
@@ -232,5 +246,5 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
         if state.tied_copy_elements:  # first and last stage sum their tied-embedding copies' gradients
             add("pp", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
-                workload.calls(plan), state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
+                shard_sums, state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
     return out

@@ -31,7 +31,7 @@ from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.comm import Collective, communication
-from meshkit.estimate.memory import RankMemory, model_state, rank_memory
+from meshkit.estimate.memory import RankMemory, model_state, rank_memory, stage_ranks
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama
@@ -60,7 +60,7 @@ class PipelineTiming:
 
 # Schedules whose steady state repeats per microbatch: after the warm-up, every further microbatch
 # adds exactly its own work to every rank and nothing to the idle time or the in-flight peak.
-_STEADY = ("1f1b", "zb_h1", "interleaved_1f1b")
+_STEADY = ("1f1b", "zb_h1", "interleaved_1f1b", "zb_h2", "zb_v", "dualpipe_v")
 
 
 def pipeline_timing(schedule: str, pp: int, m: int, v: int, recompute: Fraction) -> PipelineTiming:
@@ -134,7 +134,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     t_layer_rec = flops.recompute * share / config.num_hidden_layers
     t_stage_fwd = flops.model / 3 * share / plan.pp
     t_stage_rec = flops.recompute * share / plan.pp
-    state0 = model_state(config, plan, pp_rank=plan.pp - 1)
+    state0 = model_state(config, plan, pp_rank=stage_ranks(plan)[-1])
     comm = communication(config, plan, workload, device, state0, t_layer_fwd, t_layer_rec)
     sim = None
     if plan.pp > 1:
@@ -143,7 +143,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
         if workload.microbatches % plan.microbatches:
             raise ValueError(f"microbatches={workload.microbatches} per step is not a multiple of the plan's "
                              f"pp_microbatches={plan.microbatches}")
-        v = plan.pp_virtual_stages
+        v = plan.pp_stages_per_rank
         recompute = Fraction(t_stage_rec / t_stage_fwd).limit_denominator(8) if t_stage_fwd else Fraction(0)
         sim = pipeline_timing(plan.pp_schedule, plan.pp, plan.microbatches, v, recompute)
         compute = workload.calls(plan) * float(sim.step_time) * t_stage_fwd / v

@@ -27,18 +27,25 @@ from meshkit.data_parallel import expert_shard_dim
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.spec import ModelState, ParamSpec, Workload, config_from_key, config_key, dtype_bytes
+from meshkit.estimate.zero import zero_memory
 from meshkit.models import llama
 from meshkit.models.moe import convert_moe_blocks, moe_spec
+from meshkit.pipeline.schedules import stage_placement
 from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
+
+
+def stage_ranks(plan: Plan) -> tuple[int, ...]:
+    """The pp rank of every stage: the schedule's placement (under a V, the last stage is on rank 0)."""
+    return stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
 
 
 def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
     """Blocks of each of a rank's stages, per pipeline rank, from meshkit's own split (the embedding
     and the head count as a layer each, so the first and last stages get fewer blocks)."""
-    v = plan.pp_virtual_stages if plan.pp > 1 else 1
+    v = plan.pp_stages_per_rank if plan.pp > 1 else 1
     ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
-    return [[len(ranges[s]) for s in stages_of_rank(r, plan.pp, v)] for r in range(plan.pp)]
+    return [[len(ranges[s]) for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
 
 
 # -------------------------------------------------------------------------------- model state
@@ -109,9 +116,11 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     specs, layers, tied = param_specs(config)
     fsdp = plan.dp_shard * plan.cp
     blocks = sum(stage_blocks(config, plan)[pp_rank])
-    count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == 0 or (tied and pp_rank == plan.pp - 1)),
-                "head": int(pp_rank == plan.pp - 1)}
-    numel = tensors = summed_tensors = summed_elements = tied_copy = 0
+    first, last = stage_ranks(plan)[0], stage_ranks(plan)[-1]
+    copy = tied and plan.pp > 1 and pp_rank == last  # the head's copy of a tied embedding
+    count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == first) + int(copy),
+                "head": int(pp_rank == last)}
+    numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = 0
     units = {"embed": 0, "block": 0, "head": 0, "expert": 0}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
@@ -127,9 +136,10 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         tensors += count
         if spec.tp_summed and plan.tp > 1:
             summed_tensors, summed_elements = summed_tensors + count, summed_elements + local
-        if spec.unit == "embed" and tied and plan.pp > 1:  # the head's copy on the last stage
+        if spec.unit == "embed" and tied and plan.pp > 1 and first != last:  # all-reduced with the other copy
             tied_copy = local
         held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
+        held_total += held
         zero["DDP"] += 16.0 * held
         zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
         zero["ZeRO-2"] += 2.0 * held + 14.0 * held / shards
@@ -139,7 +149,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         per_row = math.prod(shape) // max(rows, 1)
         units[spec.unit] += -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
-                      units, blocks, zero, summed_tensors, summed_elements, tied_copy)
+                      units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total)
 
 
 # -------------------------------------------------------------------------------- activations
@@ -195,7 +205,8 @@ class RankMemory:
     shared: int                # rotary cos/sin per in-flight pair
     head: dict[str, int]       # final norm, LM head and loss (last stage only)
     transient: int             # max(loss backward buffers, one block's recompute + gradients)
-    fsdp_buffers: int          # gathered units and gradient buffers in flight
+    fsdp_buffers: int          # gathered units and gradient buffers in flight, full gradients kept (ZeRO-1, accumulation)
+    offloaded: int = 0         # model state that Plan.offload keeps in host memory
 
     @property
     def activations(self) -> int:
@@ -204,8 +215,8 @@ class RankMemory:
 
     @property
     def peak(self) -> int:
-        """Peak bytes: persistent state, activations and transient buffers."""
-        return self.state.persistent + self.activations + self.transient + self.fsdp_buffers
+        """Peak device bytes: persistent state (less what is offloaded), activations and transient buffers."""
+        return self.state.persistent - self.offloaded + self.activations + self.transient + self.fsdp_buffers
 
 
 
@@ -226,7 +237,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     state = model_state(config, plan, pp_rank=pp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
-    last = pp_rank == plan.pp - 1
+    last = pp_rank == stage_ranks(plan)[-1]
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
     per_block = block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
     kind = getattr(plan, "cp_attention", "zigzag")
@@ -245,10 +256,12 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
         act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
         unit = max(state.unit_elements.values())
-        reshard = plan.reshard_after_forward if plan.reshard_after_forward is not None else plan.pp == 1
+        reshard = plan.fsdp_reshard
         gathered = 2 * unit if reshard else sum(state.unit_elements[k] for k in ("embed", "head")) + \
             state.blocks * (state.unit_elements["block"] + state.unit_elements["expert"])
         fsdp_buffers = gathered * act + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
+    memory_options = zero_memory(plan, state, config)
+    fsdp_buffers += max(memory_options.full_grads, memory_options.window_grads)  # ZeRO-1 / accumulation
     largest_stage = max(stage_blocks(config, plan)[pp_rank])  # in-flight pairs may be of any of its stages
     return RankMemory(pp_rank, state, per_block, in_flight * largest_stage, in_flight,
-                      acts.shared_activations(config, **kw), head, transient, fsdp_buffers)
+                      acts.shared_activations(config, **kw), head, transient, fsdp_buffers, memory_options.host)

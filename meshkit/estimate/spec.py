@@ -171,6 +171,7 @@ class ModelState:
     tp_summed_tensors: int = 0   # MoE weights whose gradient shards are all-reduced over tp (when tp > 1)
     tp_summed_elements: int = 0  # their elements on this rank
     tied_copy_elements: int = 0  # pp > 1, tied embedding, first or last stage: this rank's copy's shard
+    held_elements: int = 0       # elements of this rank's parameters before FSDP shards them (TP/ep-local)
 
     @property
     def persistent(self) -> int:

@@ -10,6 +10,7 @@ meshkit MoE layers first) share these names.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class CausalLMParts:
     lm_head: nn.Linear
     rotary: nn.Module
     tied: bool
+    config: object = None
 
 
 def attention_dims(config) -> tuple[int, int, int]:
@@ -97,7 +99,8 @@ def parts(model: nn.Module) -> CausalLMParts:
     """The model's parts, after `check_supported`."""
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
-    return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied)
+    return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied,
+                         model.config)
 
 
 def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
@@ -186,6 +189,12 @@ def run_block(block: nn.Module, hidden, position_embeddings, position_ids, **att
     out = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
                 **attention_kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def cache_keyword(block: nn.Module) -> str:
+    """The keyword an HF decoder block takes its KV cache under: transformers renamed
+    `past_key_values` to `cache` (5.2x keeps the old name as a deprecated alias, older 5.x lack the new one)."""
+    return "cache" if "cache" in inspect.signature(type(block).forward).parameters else "past_key_values"
 
 
 def reset_rotary(rotary: nn.Module, device: torch.device) -> None:

@@ -36,8 +36,10 @@ class CausalLMStage(nn.Module):
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
         context_parallel: ContextParallelAttention | None = None,
+        cache_keyword: str = "cache",
     ):
         super().__init__()
+        self.cache_keyword = cache_keyword
         self.embed = embed
         self.layers = nn.ModuleDict({str(i): block for i, block in blocks.items()})
         self.norm = norm
@@ -45,13 +47,20 @@ class CausalLMStage(nn.Module):
         self.rotary = rotary
         self.context_parallel = context_parallel
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids or hidden states in; logits (last stage) or hidden states out."""
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """Token ids or hidden states in; logits (last stage) or hidden states out.
+
+        `cache` (generation only) is an object with HF's `update(key, value, layer_idx, ...)` that
+        every attention layer hands its new keys and values to and takes the whole sequence's back.
+        """
         hidden = self.embed(inputs) if self.embed is not None else inputs
         position_embeddings = self.rotary(hidden, position_ids)
         extra = {DOC_IDS_KWARG: doc_ids} if doc_ids is not None else {}
         if self.context_parallel is not None:
             extra[CONTEXT_PARALLEL_KWARG] = self.context_parallel
+        if cache is not None:
+            extra[self.cache_keyword] = cache
         for block in self.layers.values():
             hidden = llama.run_block(block, hidden, position_embeddings, position_ids, **extra)
         if self.norm is not None:
@@ -79,6 +88,7 @@ def build_stages(
             norm=parts.norm if s == last else None,
             lm_head=parts.lm_head if s == last else None,
             context_parallel=context_parallel,
+            cache_keyword=llama.cache_keyword(parts.blocks[0]) if parts.blocks else "cache",
         )
         for s in stage_ids
     }

@@ -3,10 +3,12 @@
 Why it cannot deadlock (gloo): `meshkit.pipeline.simulate.check` proves that running each rank's
 action list in order, with sends that never block and receives that block until their send was
 issued, finishes on every rank. The runtime issues the same actions in the same order and differs
-only by being more eager: a run of consecutive communication actions is posted as one batch (a send
-may go out before an earlier receive of the run completed), and a receive is waited on only just
-before the compute that consumes it. No send is ever issued later than in the proven execution, so
-every wait is for a send the proof shows is issued. On gloo an `isend` returns at once and the
+only by being more eager: the transfers between two computes are posted as one batch (a send may go
+out before an earlier receive of the batch completed), a receive is posted one compute before the
+compute that consumes it (gloo moves a message only once the receiver has posted it, so this takes
+a round trip off the critical path), and it is waited on only just before that consumer. No send is
+ever issued later than in the proven execution and no wait moves, so every wait is for a send the
+proof shows is issued. On gloo an `isend` returns at once and the
 transport's own threads finish it, so a pending send never needs its rank to make progress, which
 is exactly the model `check` assumes. Each message carries a tag unique within a step (boundary,
 microbatch, direction), so receives match by identity, not by posting order, even when several

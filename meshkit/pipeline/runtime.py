@@ -32,10 +32,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat import fsdp_post_backward
+from meshkit.data_parallel import reshard_fsdp
+from meshkit.pipeline.actions import Action, ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
-from meshkit.pipeline.schedules import Action, ActionKind, Schedule
 from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
+from meshkit.zero.stages import fsdp_roots
 
 __all__ = ["LossFn", "Shapes", "TensorMeta", "run_schedule"]
 
@@ -46,6 +48,8 @@ Shapes = TensorMeta | Mapping[int, TensorMeta] | Callable[[int, int], TensorMeta
 
 K = ActionKind
 _COMM = frozenset({K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B})
+#: A receive is posted this many compute actions before the compute that consumes it (see `_steps`).
+RECEIVE_LOOKAHEAD = 1
 
 
 def run_schedule(
@@ -58,6 +62,8 @@ def run_schedule(
     shapes: Shapes | None = None,
     stage_kwargs: Sequence[Mapping[str, Any]] | None = None,
     device: torch.device | str | None = None,
+    reduce_grads: bool = True,
+    reshard: bool = True,
 ) -> list[torch.Tensor]:
     """Run this rank's actions of `schedule`; return the detached per-microbatch losses (last stage only).
 
@@ -77,23 +83,23 @@ def run_schedule(
     run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device)
     actions = schedule.ranks[rank]
     splits = any(a.kind is K.W for a in actions)
-    fsdp = contextlib.nullcontext() if schedule.forward_only else _fsdp_reduce_once(list(stages.values()))
+    fsdp = (contextlib.nullcontext() if schedule.forward_only else
+            _fsdp_reduce_once(list(stages.values()), reduce_grads=reduce_grads, reshard=reshard))
     with fsdp, (
         deferrable_linears(stages.values()) if splits else contextlib.nullcontext()
     ):
-        position = 0
-        while position < len(actions):
-            end = position + 1
-            if actions[position].kind in _COMM:  # a run of transfers is posted as one batch
-                while end < len(actions) and actions[end].kind in _COMM:
-                    end += 1
+        for transfers, compute in _steps(schedule, rank, RECEIVE_LOOKAHEAD):
+            action, position = transfers[0] if transfers else compute
             try:
-                run.execute(actions[position:end], deferred=splits)
+                if transfers:
+                    run.post([a for a, _ in transfers])
+                if compute is not None:
+                    action, position = compute
+                    run.compute(action, deferred=splits)
             except Exception as exc:
-                _note(exc, f"meshkit pipeline rank {rank} failed in {actions[position]} (position {position} "
+                _note(exc, f"meshkit pipeline rank {rank} failed in {action} (position {position} "
                            f"of {len(actions)} in schedule {schedule.name!r})")
                 raise
-            position = end
         run.finish()
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -117,16 +123,18 @@ class _RankRun:
         self.pending: dict[tuple[int, int], PendingWeightGrads] = {}
         self.losses: dict[int, torch.Tensor] = {}
 
-    def execute(self, actions: Sequence[Action], deferred: bool) -> None:
-        first = actions[0]
-        if first.kind in _COMM:
-            self.p2p.post([self._transfer(a) for a in actions])
-        elif first.kind is K.F:
-            self._forward(first.stage, first.microbatch)
-        elif first.kind in (K.B, K.BW):
-            self._backward(first.stage, first.microbatch, weights_now=first.kind is K.BW, deferred=deferred)
+    def post(self, actions: Sequence[Action]) -> None:
+        """Start these sends and receives as one batch (receives are waited on by their consumer)."""
+        self.p2p.post([self._transfer(a) for a in actions])
+
+    def compute(self, action: Action, deferred: bool) -> None:
+        """Run one F, B, BW or W."""
+        if action.kind is K.F:
+            self._forward(action.stage, action.microbatch)
+        elif action.kind in (K.B, K.BW):
+            self._backward(action.stage, action.microbatch, weights_now=action.kind is K.BW, deferred=deferred)
         else:
-            self.pending.pop((first.stage, first.microbatch)).run()
+            self.pending.pop((action.stage, action.microbatch)).run()
 
     # ------------------------------------------------------------------ compute
     def _forward(self, s: int, mb: int) -> None:
@@ -204,6 +212,36 @@ class _RankRun:
             raise RuntimeError(f"schedule ended with work left on rank {self.rank}: {left}")
 
 
+_Step = tuple[tuple[tuple[Action, int], ...], tuple[Action, int] | None]
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(schedule: Schedule, rank: int, lookahead: int) -> tuple[_Step, ...]:
+    """This rank's actions as steps: (transfers to post as one batch, then one compute), with positions.
+
+    Sends stay where the schedule puts them (right after their producer). Each receive is posted
+    `lookahead` computes before the compute that consumes it, which still waits for it: gloo moves
+    a message only once both ends have posted it (the receiver tells the sender it is ready), so a
+    receive posted just before its consumer costs a round trip between the two ranks' transport
+    threads on the critical path, while one posted a compute earlier is usually complete when
+    waited on. Waits stay where they were, so the deadlock-freedom `check` proves still holds (see
+    `p2p`). The last step (compute None) posts the sends after the last compute.
+    """
+    actions = schedule.ranks[rank]
+    computes = [(a, i) for i, a in enumerate(actions) if a.kind not in _COMM]
+    posts: list[list[tuple[Action, int]]] = [[] for _ in range(len(computes) + 1)]
+    next_compute = 0
+    for i, a in enumerate(actions):
+        if a.kind not in _COMM:
+            next_compute += 1
+        elif a.kind in (K.RECV_F, K.RECV_B):
+            posts[max(next_compute - lookahead, 0)].append((a, i))
+        else:
+            posts[next_compute].append((a, i))
+    steps = [(tuple(posts[j]), computes[j] if j < len(computes) else None) for j in range(len(computes) + 1)]
+    return tuple(step for step in steps if step[0] or step[1] is not None)
+
+
 def _tag(boundary: int, mb: int, num_microbatches: int, backward: bool) -> int:
     """Unique per message of a step, so gloo matches receives by identity, not by posting order."""
     return 2 * (boundary * num_microbatches + mb) + int(backward)
@@ -273,36 +311,26 @@ def _validate(schedule, rank, world, stages, microbatch_inputs, loss_fn, shapes,
 # ---------------------------------------------------------------------------------------------- FSDP2
 
 
-def _fsdp_roots(stages: list[nn.Module]) -> list[nn.Module]:
-    """The outermost FSDP2 modules inside the stages (each carries its nested units' state)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    roots: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if isinstance(module, FSDPModule):
-            roots.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    for stage in stages:
-        visit(stage)
-    return roots
-
-
 @contextlib.contextmanager
-def _fsdp_reduce_once(stages: list[nn.Module]) -> Iterator[None]:
-    roots = _fsdp_roots(stages)
+def _fsdp_reduce_once(stages: list[nn.Module], *, reduce_grads: bool, reshard: bool) -> Iterator[None]:
+    """Accumulate unsharded gradients over the schedule's microbatches and reduce them once at its
+    end (`reduce_grads`; off: a later call of the accumulation window reduces them), resharding the
+    gathered parameters afterwards if `reshard` (off: ZeRO-1/2 keep them for the window's next call)."""
+    roots = fsdp_roots(stages)
     for root in roots:
         root.set_requires_gradient_sync(False)
         root.set_reshard_after_backward(False)
         root.set_is_last_backward(False)
     yield  # on an exception the ranks disagree anyway; the flags stay off rather than reduce garbage
     for root in roots:
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(reshard)
+        if reduce_grads:
+            root.set_requires_gradient_sync(True)
+            fsdp_post_backward(root)
+        elif reshard:
+            reshard_fsdp(root)
         root.set_requires_gradient_sync(True)
         root.set_reshard_after_backward(True)
-        root.set_is_last_backward(True)
-        fsdp_post_backward(root)
 
 

@@ -256,7 +256,10 @@ MESH_PLANS["cp_allgather"] = "cp=2,dp_shard=2,cp_attention=allgather"  # holds t
 MESH_PLANS["pp_interleaved_fsdp"] = "pp=2,dp_shard=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,pp_microbatches=2"
 MESH_PLANS["pp_tp_selective"] = "pp=2,tp=2,pp_microbatches=2,activation_checkpointing=selective"
 MESH_PLANS["pp_tied_fsdp"] = "pp=2,dp_shard=2,pp_microbatches=2"  # the head holds a copy of the embedding
-MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {"pp_tied_fsdp": MESH_MODEL | dict(tie_word_embeddings=True)}
+# Under the V both copies sit on pp rank 0 and are summed there: no all-reduce, rank 0 holds both.
+MESH_PLANS["pp_zb_v_tied_fsdp"] = "pp=2,dp_shard=2,pp_schedule=zb_v,pp_microbatches=2"
+MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {
+    key: MESH_MODEL | dict(tie_word_embeddings=True) for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp")}
 MESH_BATCH, MESH_SEQ = 2, 16
 
 
@@ -270,7 +273,8 @@ def mesh_runs(dist) -> dict[str, list[dict]]:
             for key, plan in MESH_PLANS.items()}
 
 
-@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp"])
+@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp",
+                                 "pp_zb_v_tied_fsdp"])
 def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
     config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     for rank, r in enumerate(mesh_runs[key]):
@@ -380,7 +384,8 @@ def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
 
 
 @pytest.mark.parametrize("schedule,pp,v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("zb_h1", 3, 1), ("zb_h1", 4, 1),
-                                           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)])
+                                           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2), ("zb_h2", 3, 1),
+                                           ("zb_v", 3, 2), ("dualpipe_v", 2, 2)])
 def test_pipeline_timing_extends_the_simulation_exactly(schedule: str, pp: int, v: int) -> None:
     from fractions import Fraction
 

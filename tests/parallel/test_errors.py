@@ -31,9 +31,9 @@ def test_world_size_that_does_not_match_the_plan(dist):
     _assert_every_rank_raised(outcomes, "world_size=4", "needs", "= 2 processes", "--nproc-per-node 2")
 
 
-def test_tp_that_does_not_divide_the_kv_heads(dist):
-    outcomes = dist(2).run_raw(_parallelize, "tp=2", ModelSpec(heads=4, kv_heads=1), timeout=ALL_RANKS_QUICKLY)
-    _assert_every_rank_raised(outcomes, "num_key_value_heads=1", "use a tp in [1]")
+def test_tp_that_neither_divides_nor_is_divided_by_the_kv_heads(dist):
+    outcomes = dist(2).run_raw(_parallelize, "tp=2", ModelSpec(heads=6, kv_heads=3), timeout=ALL_RANKS_QUICKLY)
+    _assert_every_rank_raised(outcomes, "num_key_value_heads=3", "largest tp that works is 1", "use a tp in [1, 3, 6]")
 
 
 def _parallelize_gpt2() -> None:

@@ -41,7 +41,7 @@ def test_dp_shard_fill_that_cannot_divide():
 @pytest.mark.parametrize(
     "kw, pattern",
     [
-        (dict(tp=4), r"num_attention_heads=6.*use a tp in \[1, 2, 3, 6\]"),
+        (dict(tp=4), r"num_attention_heads=6.*largest tp that works is 2; fix: use a tp in \[1, 2, 6\]"),
         (dict(tp=3), r"num_key_value_heads=2"),
         (dict(tp=2, dp_shard=1), None),
     ],

@@ -1,0 +1,155 @@
+"""The role of every layer in a decoder block, read from what the model declares.
+
+transformers ships each decoder config with a `base_model_tp_plan` ({"layers.*.self_attn.q_proj":
+"colwise", ...}): which linears split on output features and which on input features. That plan
+names the linears; the module structure says the rest: which norms sit on the residual stream,
+whether a projection is packed ([q | k | v] in one weight, [gate | up] in one weight), whether a
+q/k norm normalises each head or the whole projection. This module turns both into meshkit's roles;
+`tensor_parallel` turns roles into styles. Nothing here is written per family.
+
+Roles (names relative to the block):
+  colwise / rowwise   linear split on output / input features (HF's `colwise_gather_output` and
+                      `rowwise_split_input` too: meshkit keeps the heads local instead of gathering)
+  kv_colwise          a K or V projection: colwise when tp divides the K/V heads, else each rank
+                      computes the one K/V head its query heads read (replicated K/V heads)
+  packed_qkv / packed_gate_up
+                      one linear holding several logical parts; each rank takes its shard of each
+  seq_norm            a norm on the residual stream (sequence-sharded under SP)
+  head_norm           a q/k norm over head_dim, shared by all heads
+  row_norm            a q/k norm over the whole projection (all heads: OLMo-2); needs the full row
+  attention / mlp     modules whose input leaves the sequence-sharded region under SP
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_PLAN_ROLES = {
+    "colwise": "colwise",
+    "colwise_gather_output": "colwise",
+    "rowwise": "rowwise",
+    "rowwise_split_input": "rowwise",
+}
+# Used when a config declares no plan (older configs): Llama's, which every family here extends.
+_DEFAULT_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+
+
+def attention_dims(config) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head dim): K/V heads default to the query heads, head_dim to
+    hidden/heads, as HF's attention modules read them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def declared_block_plan(config) -> dict[str, str]:
+    """The config's tensor-parallel plan for one decoder block: {name in block: HF style}."""
+    plan = getattr(config, "base_model_tp_plan", None) or _DEFAULT_PLAN
+    prefix = "layers.*."
+    return {key[len(prefix):]: style for key, style in plan.items() if key.startswith(prefix)}
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith(("RMSNorm", "LayerNorm")) and getattr(module, "weight", None) is not None
+
+
+def block_roles(block: nn.Module, config) -> dict[str, str]:
+    """Role of every layer of `block` that tensor parallelism must know, in execution order.
+
+    Linears come from the config's plan; an MoE block's `mlp` (meshkit `MoE`, routed experts) is
+    left to expert parallelism, so its plan entries are dropped. Raises ValueError for a declared
+    style meshkit does not know, naming it.
+    """
+    heads, kv_heads, head_dim = attention_dims(config)
+    modules = dict(block.named_modules())
+    roles: dict[str, str] = {}
+    for name, module in block.named_children():
+        if _is_norm(module):
+            roles[name] = "seq_norm"
+        elif name in ("self_attn", "mlp"):
+            roles[name] = "attention" if name == "self_attn" else "mlp"
+    mlp_is_moe = type(modules.get("mlp")).__name__ == "MoE"
+    for name, style in declared_block_plan(config).items():
+        if name not in modules or (mlp_is_moe and name.startswith("mlp")):
+            continue
+        module = modules[name]
+        if style == "replicated_with_grad_allreduce":
+            roles[name] = "head_norm"
+            continue
+        role = _PLAN_ROLES.get(style)
+        if role is None:
+            raise ValueError(f"{type(block).__name__}.{name}: tensor-parallel style {style!r} from "
+                             f"{type(config).__name__}.base_model_tp_plan has no meshkit equivalent")
+        if role == "colwise" and isinstance(module, nn.Linear):
+            out = module.out_features
+            if name.startswith("self_attn") and out == (heads + 2 * kv_heads) * head_dim:
+                role = "packed_qkv"
+            elif name.startswith("self_attn") and out == kv_heads * head_dim and kv_heads != heads:
+                role = "kv_colwise"
+            elif name.startswith("mlp") and out == 2 * getattr(config, "intermediate_size", -1):
+                role = "packed_gate_up"
+        roles[name] = role
+    if mlp_is_moe:
+        roles["mlp"] = "moe"
+    for name, module in modules.items():  # q/k norms the plan leaves implicit (Qwen3, OLMo-2)
+        parent, _, leaf = name.rpartition(".")
+        if parent == "self_attn" and leaf in ("q_norm", "k_norm") and _is_norm(module):
+            roles[name] = "head_norm" if module.weight.shape[-1] == head_dim else "row_norm"
+    return roles
+
+
+def kv_rows(config, tp: int, rank: int) -> tuple[int, int] | None:
+    """The rows of a K/V projection rank `rank` computes when tp exceeds the K/V heads, or None
+    when tp divides them (plain colwise). With tp = c * kv_heads, ranks [h*c, (h+1)*c) share head h."""
+    heads, kv_heads, head_dim = attention_dims(config)
+    if kv_heads % tp == 0:
+        return None
+    head = rank * kv_heads // tp
+    return head * head_dim, (head + 1) * head_dim
+
+
+def selected_rows(roles: dict[str, str], config, tp: int, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """{layer: row ranges of its weight this rank computes} for layers plain colwise cannot split."""
+    heads, kv_heads, head_dim = attention_dims(config)
+    out: dict[str, list[tuple[int, int]]] = {}
+    kv = kv_rows(config, tp, rank)
+    for name, role in roles.items():
+        if role == "kv_colwise" and kv is not None:
+            out[name] = [kv]
+        elif role == "packed_qkv":
+            q_per = heads // tp * head_dim
+            q = (rank * q_per, (rank + 1) * q_per)
+            if kv is None:
+                kv_per = kv_heads // tp * head_dim
+                k_local = (rank * kv_per, (rank + 1) * kv_per)
+            else:
+                k_local = kv
+            q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+            out[name] = [q, (q_end + k_local[0], q_end + k_local[1]), (k_end + k_local[0], k_end + k_local[1])]
+        elif role == "packed_gate_up":
+            inter = config.intermediate_size
+            per = inter // tp
+            out[name] = [(rank * per, (rank + 1) * per), (inter + rank * per, inter + (rank + 1) * per)]
+    return out
+
+
+def tp_degree_problem(config, tp: int) -> str | None:
+    """Why `tp` cannot split this model's attention, naming the largest degree that works, or None.
+
+    Query heads must split evenly; K/V heads must either split evenly or be a divisor of tp (then
+    they are replicated), so that every rank's query heads read whole K/V heads.
+    """
+    heads, kv_heads, _ = attention_dims(config)
+    if tp <= 1 or (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
+        return None
+    ok = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+    best = max(d for d in ok if d <= tp) if any(d <= tp for d in ok) else 1
+    return (f"tp={tp}: tensor parallelism splits the num_attention_heads={heads} query heads evenly and needs "
+            f"num_key_value_heads={kv_heads} to be a multiple or a divisor of tp (then K/V heads are "
+            f"replicated); the largest tp that works is {best}; fix: use a tp in {ok}")
+
