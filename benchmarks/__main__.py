@@ -25,6 +25,7 @@ RESULTS = HERE / "results"
 # (module under benchmarks/, its own arguments, whether it accepts --quick)
 BENCHMARKS = [
     ("overhead", [], False),
+    ("communication", ["--out", str(RESULTS / "communication.md")], False),
     ("context_parallel", ["--out", str(RESULTS / "context_parallel.md")], True),
     ("pipeline", ["--out", str(RESULTS)], True),
     ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),

@@ -116,8 +116,8 @@ def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str]
     - SP norms: their weights are replicated over tp but see 1/t of the tokens, so each of the
       2L + 1 norm-weight gradients is all-reduced over tp (h values each).
     - FSDP over dp_shard*cp: each unit's (tp-local) parameters all-gathered forward, again backward
-      for units resharded after forward (all but the last unit, and the root, which backward needs
-      first), and the gradients reduce-scattered; HSDP adds an all-reduce of the gradient shard.
+      for the blocks (resharded after forward; not the last unit or the root, which backward needs
+      first, nor the embedding, whose backward reads only the ids), and the gradients reduce-scattered; HSDP adds an all-reduce of the gradient shard.
     - scalars: loss and valid-token count over dp, one gradient-norm reduction.
     """
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -147,7 +147,7 @@ def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str]
         block = sharded_block / t + 2 * h
         last = h + vocab * h / t
         total = embed + layers * block + last
-        regathered = (embed + layers * block) if plan.fsdp_reshard else 0.0
+        regathered = layers * block if plan.fsdp_reshard else 0.0  # the embedding's backward reads no weight
         if fsdp > 1:
             out[("all_gather", "dp_shard_cp")].append(("FSDP params forward", total * pbytes))
             if regathered:

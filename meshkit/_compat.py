@@ -226,11 +226,12 @@ def default_store():
         return None
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """All-gather into one tensor (ranks' inputs concatenated on dim 0): torch 2.13 renamed
-    `all_gather_into_tensor` to `all_gather_single` and deprecates the old name; 2.11 has only that."""
+    `all_gather_into_tensor` to `all_gather_single` and deprecates the old name; 2.11 has only that.
+    Returns the work handle when `async_op`."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> None:

@@ -69,6 +69,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
                                            tied=parts.tied, param_dtype=plan.param_dtype,
                                            reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard,
                                            offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
+        data_parallel.skip_embedding_regather(stages.values())
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
     refuse_hf_forward(model)
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),

@@ -116,6 +116,21 @@ def apply_fsdp_to_stages(
         apply_fsdp(edges + list(stage.layers.values()) + tail, stage, mesh, **policy)
 
 
+def skip_embedding_regather(stages: Iterable[nn.Module]) -> None:
+    """Let each stage's embedding unit stay sharded through backward.
+
+    An embedding's gradient is a scatter-add of the output gradient at the token ids: its backward
+    never reads the weight. FSDP would still all-gather the unit again before its backward (it was
+    resharded after forward), moving a whole vocab x hidden matrix (1 GB of bf16 at 128k x 4096) for
+    nothing. The gradient still lands in the unsharded parameter's `.grad` and is reduce-scattered as
+    usual. A tied embedding is not its own unit (the head reads the weight) and is left alone.
+    """
+    for stage in stages:
+        embed = getattr(stage, "embed", None)
+        if isinstance(embed, FSDPModule):
+            embed.set_unshard_in_backward(False)
+
+
 def reshard_fsdp(module: nn.Module) -> None:
     """Free every FSDP unit under `module` that is still gathered (after a forward without backward)."""
     for sub in module.modules():

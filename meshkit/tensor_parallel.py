@@ -45,6 +45,8 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
             # shared by all heads, so it must be a Replicate DTensor whose gradient sums over tp.
             styles[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif not sequence_parallel:
+            if role in ("attention", "mlp"):
+                styles[name] = _shared_input_grad(role)
             continue
         elif role == "seq_norm":
             styles[name] = SequenceParallel()
@@ -62,6 +64,20 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
             styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,),
                                               use_local_output=True)
     return styles
+
+
+def _shared_input_grad(role: str) -> PrepareModuleInput:
+    """Without SP: hand the attention / MLP input to q, k, v (gate, up) as ONE Replicate DTensor.
+
+    Each colwise projection's input gradient is a Partial sum over tp. Given plain tensors, every
+    projection would wrap its own DTensor and all-reduce its own gradient (5 all-reduces per block);
+    given one shared DTensor, autograd adds the Partial gradients first and the single wrap reduces
+    them once (2 per block), as the SP path's all-gather does.
+    """
+    if role == "attention":
+        return PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                  desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
 
 
 def apply_tensor_parallel(

@@ -9,7 +9,8 @@ with this scheme and Megatron offers it (`cp_comm_type="all_gather"`).
 Forward: one all-gather of this rank's packed [K; V] shard, put back in global token order (the
 zig-zag layout: rank r holds chunks r and 2cp-1-r). Each local query chunk g then attends to the
 key prefix [0, g*c) fully and to its own chunk [g*c, (g+1)*c) causally (square, so SDPA's top-left
-aligned causal mask is exact); the two (out, lse) merge in fp32 (`ring.merge_`). Chunk r sees r + 1/2
+aligned causal mask is exact); the two (out, lse) merge in fp32 (`ring.merge_`). The causal
+diagonals read only local K/V, so they run while the gather is in flight. Chunk r sees r + 1/2
 chunks of keys and chunk 2cp-1-r sees 2cp-1-r + 1/2: 2cp chunk-squares on every rank, the zig-zag
 balance. Non-causal attention is one block over every key.
 
@@ -63,11 +64,17 @@ def _global_order(seq_local: int, cp: int, device) -> torch.Tensor:
     return torch.argsort(order).to(device)
 
 
-def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup, cp: int, perm: torch.Tensor, dim: int) -> torch.Tensor:
-    """All ranks' shards of `x` along `dim`, concatenated in global token order."""
+def _post_gather(x: torch.Tensor, group: dist.ProcessGroup, cp: int):
+    """Start gathering every rank's `x` (concatenated on a new leading cp-rank dim); (buffer, work)."""
     parts = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_single(parts, x.contiguous(), group)
-    joined = parts.unflatten(0, (cp, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)  # cp-rank order
+    return parts, all_gather_single(parts, x.contiguous(), group, async_op=True)
+
+
+def _in_order(pending, x_shape, cp: int, perm: torch.Tensor, dim: int) -> torch.Tensor:
+    """Wait for a gather; the ranks' shards along `dim`, put in global token order."""
+    parts, work = pending
+    work.wait()
+    joined = parts.unflatten(0, (cp, x_shape[0])).movedim(0, dim).flatten(dim, dim + 1)  # cp-rank order
     return joined.index_select(dim, perm)
 
 
@@ -83,19 +90,30 @@ class _AllGatherAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         S_l = q_BHSD.shape[2]
         perm = _global_order(S_l, cp, q_BHSD.device)
-        kv_full = _gather_seq(torch.stack([k_BHSD, v_BHSD]), group, cp, perm, dim=3)  # [2, B, Hkv, S, D]
-        doc_full = None if doc_BS is None else _gather_seq(doc_BS, group, cp, perm, dim=1)
+        kv = torch.stack([k_BHSD, v_BHSD])
+        kv_pending = _post_gather(kv, group, cp)
+        doc_full = None if doc_BS is None else _in_order(_post_gather(doc_BS, group, cp), doc_BS.shape, cp, perm, 1)
         acc = acc_dtype(q_BHSD.dtype)
         out_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         lse_BHS = torch.full(q_BHSD.shape[:3], -math.inf, dtype=acc, device=q_BHSD.device)
         blocks = allgather_blocks(cp, rank, S_l, causal)
-        for qs, ks, kind in blocks:
-            q_doc, kv_doc = _docs(doc_full, doc_BS, qs, ks)
-            o_i, lse_i = attention_forward(
-                q_BHSD[:, :, qs], kv_full[0][:, :, ks], kv_full[1][:, :, ks], causal_kind=kind, scale=scale,
-                q_doc_BS=q_doc, kv_doc_BS=kv_doc, backend=backend,
-            )
+        # The causal diagonals need only this rank's own K/V: computed while the gather is in flight.
+        local_first = sorted(blocks, key=lambda b: b[2] != "causal")
+        kv_full = None
+        for qs, ks, kind in local_first:
+            if kind == "causal":
+                q_doc, kv_doc = _docs(doc_BS, doc_BS, qs, qs)
+                k_i, v_i = kv[0][:, :, qs], kv[1][:, :, qs]
+            else:
+                if kv_full is None:
+                    kv_full = _in_order(kv_pending, kv.shape, cp, perm, 3)  # [2, B, Hkv, S, D]
+                q_doc, kv_doc = _docs(doc_full, doc_BS, qs, ks)
+                k_i, v_i = kv_full[0][:, :, ks], kv_full[1][:, :, ks]
+            o_i, lse_i = attention_forward(q_BHSD[:, :, qs], k_i, v_i, causal_kind=kind, scale=scale,
+                                           q_doc_BS=q_doc, kv_doc_BS=kv_doc, backend=backend)
             merge_(out_BHSD[:, :, qs], lse_BHS[:, :, qs], o_i, lse_i)
+        if kv_full is None:
+            kv_full = _in_order(kv_pending, kv.shape, cp, perm, 3)
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, kv_full, out, lse_BHS)
         ctx.opts = (group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype)

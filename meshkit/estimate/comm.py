@@ -76,7 +76,8 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     TP/SP and Ulysses collectives sit between matmuls (nothing to hide behind in meshkit), so all
     their time is exposed; FSDP's all-gather of the next block hides behind the current block's
     forward and its reduce-scatter behind the next backward; ring attention sends the next K/V
-    block while the current one is computed. Recompute re-issues what it re-runs: the SP
+    block while the current one is computed, the all-gather kind its one gather per layer while the
+    causal diagonals are. Recompute re-issues what it re-runs: the SP
     all-gathers under selective AC (their outputs are not saved), plus the attention-side
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
     before the MLP's reduce-scatter).
@@ -125,10 +126,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
                 h * 4, t, None)
         else:
-            # Backward all-reduces the input gradient of each colwise linear separately (q, k, v, gate,
-            # up: DTensor reduces each module's Partial gradient); recompute re-runs o's all-reduce.
-            add("tp", "all_reduce", "TP: o/down outputs (fwd), q/k/v/gate/up input grads (bwd), recompute",
-                m * (blocks * (7 + (ac != "none")) + edges), bsh, t, None)
+            # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
+            # share one Replicate DTensor input); recompute re-runs o's all-reduce.
+            add("tp", "all_reduce", "TP: o/down outputs (fwd), attention/MLP input grads (bwd), recompute",
+                m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
             add("tp", "all_reduce", "MoE router/expert gradient shards (each rank routed its own tokens)",
                 shard_sums * state.tp_summed_tensors, state.tp_summed_elements * 4 / state.tp_summed_tensors,
@@ -152,12 +153,14 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         if tied_root:  # a tied weight lives in FSDP's root unit with the final norm; FSDP2 never reshards the root
             units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
         # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
-        # nothing to hide behind; the head unit is the last and is never resharded after forward.
-        # Under a V the first and last stage share pp rank 0: a tied embedding is two units there (the
-        # embedding, and the head's copy), each its own stage's.
+        # nothing to hide behind and never again (its backward reads only the token ids); the head unit
+        # is the last and is never resharded after forward. Under a V the first and last stage share pp
+        # rank 0: a tied embedding is two units there (the embedding, and the head's copy, which its
+        # backward does read), each its own stage's.
         ends = stage_ranks(plan)
         copies = 2 if getattr(config, "tie_word_embeddings", False) and plan.pp > 1 and ends[0] == ends[-1] else 1
-        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", copies * bool(units["embed"]), None, reshard),
+        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, False),
+                      *([("embed", int(bool(units["embed"])), None, reshard)] if copies == 2 else []),
                       ("head", int(bool(units["head"])), t_block_fwd, False)]
         for name, count, hide, regather in plan_units:
             if not count or fsdp == 1:
@@ -198,12 +201,22 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("cp", "all_to_all", f"Ulysses over {uly}: q/k/v in, output back (fwd, bwd, recompute)",
                 m * blocks * (2 + 2 + 2 * rec), (packed + q_loc * act) / 2, uly, None)
             kv_loc *= kv_rep  # after Ulysses a ring rank holds uly x the tokens of kv*kv_rep/uly heads
-        if ring > 1:
-            # attention work per ring step: causal, so half the square the FLOP convention counts
-            step = 2 * mbs * seq * seq * uly * (heads // plan.tp) * d / (device.peak_flops * workload.mfu)
+        red = dtype_bytes(plan.reduce_dtype)  # dK/dV travel in the reduce dtype (accumulated in fp32)
+        # attention work per ring step: causal, so half the square the FLOP convention counts
+        step = 2 * mbs * seq * seq * uly * (heads // plan.tp) * d / (device.peak_flops * workload.mfu)
+        if ring > 1 and kind == "allgather":
+            # one gather of [K; V] per layer (again in recompute), kept for backward, hidden behind the
+            # two causal diagonal chunks (half a ring step's work); one reduce-scatter of [dK; dV] that
+            # nothing hides
+            add("cp", "all_gather", "all-gather K/V (fwd, recompute)", m * blocks * (1 + rec),
+                ring * 2 * kv_loc * act, ring, step / 2)
+            add("cp", "reduce_scatter", f"all-gather: dK/dV in {plan.reduce_dtype} (bwd)", m * blocks,
+                ring * 2 * kv_loc * red, ring, None)
+        elif ring > 1:
             add("cp", "p2p", "ring: K/V blocks (fwd, recompute, bwd)", m * blocks * (ring - 1) * (2 + rec),
                 2 * kv_loc * act, ring, step)
-            add("cp", "p2p", "ring: dK/dV in fp32 (bwd)", m * blocks * ring, 2 * kv_loc * 4, ring, step)
+            add("cp", "p2p", f"ring: dK/dV in {plan.reduce_dtype} (bwd)", m * blocks * ring, 2 * kv_loc * red,
+                ring, step)
 
     if experts is not None:
         opts = moe.layer_options(config)

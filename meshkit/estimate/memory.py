@@ -220,6 +220,17 @@ class RankMemory:
 
 
 
+def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
+    """What the all-gather CP kind holds per block beyond the ring: the other ranks' K/V, gathered in
+    forward and kept for backward ((ring - 1) local [K; V] shards, K/V heads as Ulysses replicates them)."""
+    _, kv, d = llama.attention_dims(config)
+    uly = plan.ulysses_degree
+    kv_tp = kv // plan.tp
+    rep = uly // math.gcd(kv_tp, uly) if kv_tp % uly else 1
+    kv_local = workload.mbs * (workload.seq // plan.cp) * kv_tp * rep * d
+    return (plan.cp // uly - 1) * 2 * kv_local * dtype_bytes(plan.param_dtype)
+
+
 def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1) -> RankMemory:
     """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
     at once (the pipeline simulator's peak for that rank; 1 without pipelining)."""
@@ -229,9 +240,15 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     last = pp_rank == stage_ranks(plan)[-1]
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
     per_block = block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
-    if ac == "selective" and plan.cp > 1 and getattr(plan, "cp_attention", "zigzag") in ("ring", "zigzag", "usp"):
+    kind = getattr(plan, "cp_attention", "zigzag")
+    if ac == "selective" and plan.cp > 1 and kind in ("ring", "zigzag", "usp"):
         # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
         per_block["attention"] = per_block.get("attention", 0) * plan.cp
+    elif ac == "selective" and plan.cp > 1 and kind == "allgather":
+        # two kernel calls per local query chunk (key prefix, causal diagonal), each output kept
+        per_block["attention"] = per_block.get("attention", 0) * 2
+    elif ac == "none" and plan.cp > 1 and kind == "allgather":
+        per_block["attention"] = per_block.get("attention", 0) + allgather_kv_bytes(config, plan, workload)
     transient = recompute_working_set(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
     if last:
         transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))

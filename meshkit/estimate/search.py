@@ -5,7 +5,8 @@
    only if the peak memory of its worst rank fits the device's budget.
 2. Then meet the global batch: microbatches per step = global tokens / (dp * mbs * seq).
 3. Then scale: rank what fits by estimated step time (compute at an assumed efficiency, the pipeline
-   bubble from meshkit's simulator, and the communication the overlap cannot hide).
+   bubble from meshkit's simulator, and the communication the overlap cannot hide). Under cp > 1 the
+   zig-zag ring and the all-gather kind are both estimated and the faster one that fits is kept.
 
 A *family* is the set of parallelisms a plan uses ("fsdp", "tp+fsdp", "pp+tp+fsdp", ...). For every
 family with no fitting plan the result says why: the smallest peak any of its plans reached, and
@@ -80,6 +81,14 @@ def family(plan: Plan) -> str:
     return "+".join(parts) or "single"
 
 
+def cp_kinds(plan: Plan) -> tuple[str, ...]:
+    """The CP kinds the search weighs against each other for a layout: the zig-zag ring (K/V never
+    held whole, transfers overlapped step by step) and the all-gather (fewer bytes and calls, the
+    whole sequence's K/V held per layer). Ulysses needs head counts a layout may not have and is
+    left to the user."""
+    return ("zigzag", "allgather") if plan.cp > 1 else (plan.cp_attention,)
+
+
 def _powers(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
@@ -152,26 +161,29 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                         continue
                 # Least recompute first, and within a mode the memory options that move fewest bytes
                 # first: once one fits, the heavier ones are never faster.
-                fitted = False
                 for ac in AC_ORDER:
-                    for zero, grad_sync in memory_options(scheduled, workload):
-                        plan = dataclasses.replace(scheduled, activation_checkpointing=ac, zero=zero,
-                                                   grad_sync=grad_sync)
-                        try:
-                            e = estimate(config, plan, world, workload, device)
-                        except ValueError as error:
-                            reasons.setdefault(fam, f"not estimable: {error}")
-                            fitted = True  # nothing else of this layout is estimable either
-                            break
-                        considered += 1
-                        peak = e.peak_bytes
-                        if fam not in best or peak < best[fam][0]:
-                            best[fam] = (peak, _dominant(e))
-                        if peak <= limit:
-                            fits.append(Candidate(e.plan, workload, e))
-                            fitted = True
-                            break
-                    if fitted:
+                    options, errors, kinds = [], 0, cp_kinds(scheduled)
+                    for kind in kinds:
+                        for zero, grad_sync in memory_options(scheduled, workload):
+                            plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind,
+                                                       zero=zero, grad_sync=grad_sync)
+                            try:
+                                e = estimate(config, plan, world, workload, device)
+                            except ValueError as error:
+                                reasons.setdefault(fam, f"not estimable: {error}")
+                                errors += 1
+                                break  # nothing else of this kind is estimable either
+                            considered += 1
+                            peak = e.peak_bytes
+                            if fam not in best or peak < best[fam][0]:
+                                best[fam] = (peak, _dominant(e))
+                            if peak <= limit:
+                                options.append(Candidate(e.plan, workload, e))
+                                break
+                    if options:  # the CP kind the numbers favour: faster, then smaller
+                        fits.append(min(options, key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes)))
+                        break
+                    if errors == len(kinds):
                         break
     fits.sort(key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes))
     by_family: dict[str, Candidate] = {}

@@ -252,6 +252,7 @@ MESH_PLANS["hsdp_no_sp_bf16"] = ("tp=2,dp_replicate=2,sequence_parallel=false,pa
                                  "activation_checkpointing=selective")
 MESH_PLANS["cp_zigzag_selective"] = "cp=2,dp_shard=2,cp_attention=zigzag,activation_checkpointing=selective"
 MESH_PLANS["cp_ulysses_full"] = "cp=2,dp_shard=2,cp_attention=ulysses,activation_checkpointing=full"
+MESH_PLANS["cp_allgather"] = "cp=2,dp_shard=2,cp_attention=allgather"  # holds the gathered K/V for backward
 MESH_PLANS["pp_interleaved_fsdp"] = "pp=2,dp_shard=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,pp_microbatches=2"
 MESH_PLANS["pp_tp_selective"] = "pp=2,tp=2,pp_microbatches=2,activation_checkpointing=selective"
 MESH_PLANS["pp_tied_fsdp"] = "pp=2,dp_shard=2,pp_microbatches=2"  # the head holds a copy of the embedding
