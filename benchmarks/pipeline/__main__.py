@@ -8,18 +8,23 @@ taken from `torch.distributed.pipelining` in `torch_pipeline`, the tables in `se
 markdown:
 
 1. sleep stages (F, B and W each a fixed `time.sleep`, so a noisy shared CPU barely matters): for
-   GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1, the measured step time against the simulator's
+   GPipe, 1F1B, interleaved 1F1B (v=2), ZB-H1, ZB-H2, ZB-V and DualPipeV (the V schedules: two
+   stages per rank, each sleeping half), the measured step time against the simulator's
    ideal for the same costs (and against the simulator fed the sleeps actually observed, which
    leaves the runtime's own overhead, also expressed as an implied overhead per action), the
-   bubble fraction measured vs simulated vs the closed formula, a check that every rank slept F, B
+   bubble fraction measured vs simulated vs the closed formula (and the simulated idle inside each
+   rank's span: the papers' zero bubble for ZB-H2 and ZB-V), a check that every rank slept F, B
    and W in its action order, then ZB-H1's idle time against 1F1B's;
-2. the same stages under torch's `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B` and
-   `ScheduleInterleavedZeroBubble`: step time and CPU ratio meshkit/torch (or why torch refused),
+2. the same stages under torch's `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
+   `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble` and `ScheduleDualPipeV` (torch has no
+   ZB-H2): step time and CPU ratio meshkit/torch (or why torch refused),
    and torch's own action order replayed in meshkit's simulator;
 3. a small HF `LlamaForCausalLM` split by `meshkit.pipeline.split`: step time, tokens/s and CPU of
    each schedule vs the unsplit model on one process, and vs torch's schedules on the same stage
    modules, with the loss of each as evidence that all computed the same step;
-4. a PNG timeline per schedule from the simulator in the --out folder, and one text timeline.
+4. a PNG timeline per schedule from the simulator in the --out folder, and one text timeline;
+5. where the executor's own CPU goes per action (`benchmarks.pipeline.profile`: cProfile on zero-sleep
+   stages, split into forward dispatch, backward, W, P2P post and wait, checks and the loop).
 
 Variants are interleaved (order rotated every repetition) and medians are printed; ratios are
 medians of per-repetition ratios. Nothing here asserts on time.
@@ -37,7 +42,7 @@ from pathlib import Path
 import transformers
 
 from benchmarks.launch import run_ranks
-from benchmarks.pipeline import ranks
+from benchmarks.pipeline import profile, ranks
 from benchmarks.pipeline import torch_pipeline as torch_pp
 from benchmarks.pipeline.sections import (
     ZB_HEADERS,
@@ -110,6 +115,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128, help="HF hidden size (4 heads, 2 KV heads)")
     p.add_argument("--seq", type=int, default=128, help="HF tokens per sequence (2 sequences per microbatch)")
     p.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
+    p.add_argument("--profile-steps", type=int, default=10, help="profiled steps per schedule in section 5")
     p.add_argument("--quick", action="store_true", help="under ~2 minutes: only --pp, fewer repetitions")
     p.add_argument("--out", default="benchmarks/results", help="folder for the PNG timelines and pipeline.md")
     args = p.parse_args(argv)
@@ -174,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["## 4. Simulated timelines", "", f"PNGs: {', '.join(str(p) for p in pngs)}", "",
               f"ZB-H1 at pp={args.pp}, m={args.microbatches} (time in units of TF = {args.costs[0]:g} ms):", "",
               *text]
+    print(f"[pipeline] pp={args.pp}: executor profile ({time.perf_counter() - start:.0f}s)", file=sys.stderr,
+          flush=True)
+    lines += ["## 5. Where the executor's CPU goes", "",
+              f"pp={args.pp}, m={args.microbatches}, sleeps set to 0, {args.profile_steps} profiled steps per "
+              "schedule: microseconds of CPU (cProfile on `time.process_time`, which inflates every Python "
+              "call, so read the split, not the absolute) per compute action, median over ranks. "
+              "`python -m benchmarks.pipeline.profile` prints the same table.", "",
+              *profile.run(args.pp, args.microbatches, args.profile_steps, plans[args.pp]), ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     lines.append(f"Total runtime {time.perf_counter() - start:.0f} s.")
     text_report = "\n".join(lines) + "\n"

@@ -24,7 +24,7 @@ from meshkit.models import llama
 from meshkit.models.stage import build_stages
 from meshkit.pipeline import split as pp_split
 from meshkit.pipeline.runtime import TensorMeta, run_schedule
-from meshkit.pipeline.schedules import Schedule, build_schedule
+from meshkit.pipeline.schedules import Schedule, build_schedule, stage_placement
 from meshkit.testing.reference import ModelSpec
 
 # ------------------------------------------------------------------------------------- sleep stages
@@ -124,11 +124,12 @@ def hf_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def hf_stages(model: nn.Module, pp: int, v: int, rank: int) -> dict[int, nn.Module]:
-    """This rank's stages of `model` split into pp*v stages by meshkit (embedding and head count as layers)."""
+def hf_stages(model: nn.Module, name: str, pp: int, v: int, rank: int) -> dict[int, nn.Module]:
+    """This rank's stages of `model` split into pp*v stages by meshkit (embedding and head count as
+    layers), placed as schedule `name` places them (the V schedules: stages r and 2p-1-r on rank r)."""
     parts = llama.parts(model)
     ranges = pp_split.split_layers(len(parts.blocks), pp * v)
-    ids = pp_split.stages_of_rank(rank, [s % pp for s in range(pp * v)])
+    ids = pp_split.stages_of_rank(rank, stage_placement(name, pp, v))
     return {s: WithPositions(m) for s, m in build_stages(parts, parts.blocks, ranges, ids).items()}
 
 
@@ -164,7 +165,7 @@ def _zero(modules: Any) -> None:
             p.grad = None
 
 
-def torch_pipelines(schedules: Sequence[tuple[str, int]], pp: int, m: int, make_modules: Callable[[int], dict],
+def torch_pipelines(schedules: Sequence[tuple[str, int]], pp: int, m: int, make_modules: Callable[[str, int], dict],
                     loss_fn: Callable, metas: Callable) -> tuple[dict[str, Any], dict[str, Any]]:
     """Build each torch peer; per schedule name either (pipeline, modules) or the reason it cannot run.
 
@@ -173,9 +174,12 @@ def torch_pipelines(schedules: Sequence[tuple[str, int]], pp: int, m: int, make_
     """
     built: dict[str, Any] = {}
     for name, _ in schedules:
+        if name in torch_pp.NO_PEER:
+            built[name] = torch_pp.NO_PEER[name]
+            continue
         class_name, v = torch_pp.PEERS[name]
         try:
-            modules = make_modules(v)
+            modules = make_modules(name, v)
             built[name] = (torch_pp.build(class_name, modules, pp * v, m, loss_fn, metas), modules)
         except Exception as error:  # noqa: BLE001 - the reason is the result
             built[name] = f"{class_name}: {torch_pp.first_line(error)}"
@@ -263,13 +267,13 @@ def sleep_section(spec: dict) -> dict[str, Any]:
     inputs, targets = list(batch.chunk(m)), list(target.chunk(m))
     meta = TensorMeta((rows, dim), torch.float32)
 
-    def make_modules(v: int) -> dict[int, nn.Module]:
+    def make_modules(name: str, v: int) -> dict[int, nn.Module]:
         costs = [c / 1000 / v for c in spec["costs_ms"]]  # a rank's work per microbatch is split over its v stages
-        return {s: SleepStage(dim, costs) for s in pp_split.stages_of_rank(rank, [s % pp for s in range(pp * v)])}
+        return {s: SleepStage(dim, costs) for s in pp_split.stages_of_rank(rank, stage_placement(name, pp, v))}
 
     variants = []
     for name, v in spec["schedules"]:
-        modules = make_modules(v)
+        modules = make_modules(name, v)
         variants.append(meshkit_variant(name, build_schedule(name, pp, m, v), modules, inputs,
                                         lambda out, mb: sleep_loss(out, targets[mb]) / m, meta))
     built, orders = ({}, {})
@@ -302,7 +306,7 @@ def hf_section(spec: dict) -> dict[str, Any]:
 
     variants = [Variant("single", single, lambda: _zero([model]))]
     for name, v in spec["schedules"]:
-        modules = hf_stages(model, pp, v, rank)
+        modules = hf_stages(model, name, pp, v, rank)
         variants.append(meshkit_variant(name, build_schedule(name, pp, m, v), modules, inputs,
                                         lambda out, mb: hf_loss(out, label_mbs[mb]) / m, meta))
     built, orders = ({}, {})
@@ -314,8 +318,8 @@ def hf_section(spec: dict) -> dict[str, Any]:
             out_shape = (cfg["rows"], cfg["seq"], cfg["vocab"]) if s == num_stages - 1 else meta.shape
             return x, torch.empty(out_shape, requires_grad=True)
 
-        def make_modules(v: int) -> dict[int, nn.Module]:
-            return hf_stages(model, pp, v, rank)
+        def make_modules(name: str, v: int) -> dict[int, nn.Module]:
+            return hf_stages(model, name, pp, v, rank)
 
         built, orders = torch_pipelines(spec["schedules"], pp, m, make_modules, hf_loss, metas)
         variants += [torch_variant(n, *b, ids, labels) for n, b in built.items() if not isinstance(b, str)]

@@ -23,7 +23,8 @@ from meshkit.pipeline.schedules import (
 )
 from meshkit.pipeline.simulate import Costs, SimulationResult, render_png, render_text, simulate
 
-SCHEDULES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+SCHEDULES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
+                                          ("zb_h2", 1), ("zb_v", 2), ("dualpipe_v", 2))
 #: The sleeps one action of each kind triggers in SleepStage (a full backward fires W's hook first).
 SLEEPS_OF = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.W: "W", ActionKind.BW: "WB"}
 MS = 1000.0
@@ -146,17 +147,31 @@ def implied_overhead(schedule: Schedule, t: Timing) -> float:
 
 
 def formula_bubble(name: str, p: int, m: int, v: int, costs_ms: Sequence[float]) -> Fraction:
-    """The closed forms of docs/pipeline_schedules.md, with TF/TB/TW a rank's whole part per microbatch."""
+    """The closed forms of docs/pipeline_schedules.md, with TF/TB/TW a rank's whole part per microbatch.
+
+    ZB-H2 and the V schedules: the idle time within one step at TF = TB = TW (m >= 2p-1), the start-up
+    skew of p-1 forwards of a stage (tests/pipeline/test_pipeline_zero_bubble.py proves it exactly);
+    their papers' 0 is the idle inside each rank's span, the 'in spans' column.
+    """
     tf, tb, tw = (Fraction(c).limit_denominator(1000) for c in costs_ms)
     if name == "zb_h1":
         idle = (p - 1) * (tf + tb - min(tf, tb, tw))
+    elif name in ("zb_h2", "zb_v", "dualpipe_v"):
+        idle = (p - 1) * tf / v
     else:
         idle = (p - 1) * (tf + tb + tw) / v
     return idle / (m * (tf + tb + tw) + idle)
 
 
 def formula_text(name: str) -> str:
-    return {"zb_h1": "(p-1)(TF+TB-TW)", "interleaved_1f1b": "(p-1)/(vm+p-1)"}.get(name, "(p-1)/(m+p-1)")
+    return {"zb_h1": "(p-1)(TF+TB-TW)", "interleaved_1f1b": "(p-1)/(vm+p-1)", "zb_h2": "(p-1)TF [TF=TB=TW]",
+            "zb_v": "(p-1)TF/2 [TF=TB=TW]", "dualpipe_v": "(p-1)TF/2 [TF=TB=TW]"}.get(name, "(p-1)/(m+p-1)")
+
+
+def span_bubble(result: SimulationResult) -> Fraction:
+    """Idle inside every rank's span over the ranks' busy-plus-idle time: the bubble once steps overlap."""
+    idle = sum(result.span_idle, Fraction(0))
+    return idle / (sum(result.busy, Fraction(0)) + idle)
 
 
 def expected_sequences(schedule: Schedule, torch_first_stage: bool = False) -> list[str]:
@@ -228,13 +243,14 @@ def sleep_row(name: str, v: int, p: int, m: int, costs_ms: Sequence[float], rank
     ideal = simulate(schedule, stage_costs(costs_ms, v))
     t = timing(ranks, "sleep", f"meshkit:{name}")
     if isinstance(t, str):
-        return [label(name, v), f"{float(ideal.step_time):.0f}", f"did not run: {t}"] + [""] * 9
+        return [label(name, v), f"{float(ideal.step_time):.0f}", f"did not run: {t}"] + [""] * 10
     return [
         label(name, v), f"{float(ideal.step_time):.0f}", ms(t.step), f"{t.step * MS / float(ideal.step_time):.3f}",
         f"{overhead_ratio(schedule, t):.3f}", f"{implied_overhead(schedule, t) * MS:.2f}",
         "/".join(f"{t.per_sleep.get(k, 0) * MS:.2f}" for k in "FBW"),
         f"{formula_text(name)} = {pct(formula_bubble(name, p, m, v, costs_ms))}"
         + (" (holds for m >= p)" if name == "zb_h1" and m < p else ""), pct(ideal.bubble_fraction),
+        pct(span_bubble(ideal)),
         pct(statistics.median(t.bubbles)), str(list(ideal.peak_activations)),
         sequence_check(expected_sequences(schedule), t.sequences),
     ]
@@ -244,8 +260,9 @@ def sleep_section(p: int, m: int, costs_ms: Sequence[float], ranks: list[dict],
                   schedules: Sequence[tuple[str, int]]) -> list[str]:
     rows = [sleep_row(name, v, p, m, costs_ms, ranks) for name, v in schedules]
     return table(["schedule", "ideal step (ms)", "measured (ms)", "measured / ideal",
-                  "measured / sim at measured sleeps", "implied overhead per action (ms)", "one F/B/W sleep (ms)", "bubble: formula", "simulated",
-                  "measured", "peak act. (sim)", "sleeps in schedule order"], rows)
+                  "measured / sim at measured sleeps", "implied overhead per action (ms)", "one F/B/W sleep (ms)",
+                  "bubble: formula", "simulated", "simulated, in rank spans", "measured", "peak act. (sim)",
+                  "sleeps in schedule order"], rows)
 
 
 ZB_HEADERS = ["pp", "idle/rank 1F1B / ZB-H1, measured (ms)", "ZB/1F1B measured", "simulated (ms)",
@@ -278,7 +295,7 @@ def torch_section(p: int, m: int, costs_ms: Sequence[float], ranks: list[dict],
     info = ranks[0][section]
     rows = []
     for name, v in schedules:
-        cls, _ = torch_pp.PEERS[name]
+        cls = torch_pp.PEERS[name][0] if name in torch_pp.PEERS else "none"
         mine, theirs = timing(ranks, section, f"meshkit:{name}"), timing(ranks, section, f"torch:{name}")
         refused = info["torch_refused"].get(name)
         schedule = torch_schedule(info["torch_orders"].get(name, "not built"), cls, p * v, m)

@@ -1,7 +1,8 @@
 """Everything the pipeline benchmark takes from `torch.distributed.pipelining`, in one place.
 
 The peer runs torch's public classes (`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`,
-`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`) on the very modules meshkit runs, with
+`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`,
+`ScheduleDualPipeV`) on the very modules meshkit runs (placed as each class places stages), with
 static `input_args`/`output_args` so that torch skips its shape-inference pass. The one private
 piece is `compute_order`: it reads the action list torch derived (`pipeline_order`, whose entries are
 the private `_Action` named tuples) so the benchmark can replay torch's own order in meshkit's
@@ -26,8 +27,12 @@ PEERS: dict[str, tuple[str, int]] = {
     "1f1b": ("Schedule1F1B", 1),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
     "zb_h1": ("ScheduleInterleavedZeroBubble", 1),  # one stage per rank: torch's ZB1P reduces to ZB-H1
+    "zb_v": ("ScheduleZBVZeroBubble", 2),  # the V: stage r and 2p-1-r on rank r, as meshkit places them
+    "dualpipe_v": ("ScheduleDualPipeV", 2),
 }
-_MULTI = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"}
+#: meshkit schedules torch has no class for (the tables say so instead of a ratio).
+NO_PEER = {"zb_h2": "torch has no ZB-H2 class"}
+_MULTI = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 #: torch's action letters (2.6+ meaning) -> meshkit's: torch `I` is meshkit `B`, torch `B` is `BW`.
 _KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}
 
@@ -83,8 +88,9 @@ def compute_order(pipeline: TorchPipeline) -> list[list[tuple[str, int, int]]] |
     """torch's per-rank compute actions as meshkit (kind, stage, microbatch) triples.
 
     Reads `schedule.pipeline_order` (rank -> list of `_Action | None`) and each action's
-    `computation_type.value`, `stage_index` and `microbatch_index`; drops idle slots and non-compute
-    actions (REDUCE_GRAD, UNSHARD, ...). Returns the reason as a string where the layout differs.
+    `computation_type.value`, `stage_index` and `microbatch_index`; an overlapped pair (DualPipeV's
+    OVERLAP_F_B) contributes its `sub_actions` in order; drops idle slots and non-compute actions
+    (REDUCE_GRAD, UNSHARD, ...). Returns the reason as a string where the layout differs.
     """
     order = torch_pipeline_order(pipeline.schedule)
     if order is None:
@@ -93,11 +99,12 @@ def compute_order(pipeline: TorchPipeline) -> list[list[tuple[str, int, int]]] |
     try:
         for rank in sorted(order):
             actions = []
-            for action in order[rank]:
-                kind = getattr(getattr(action, "computation_type", None), "value", None)
-                if action is None or kind not in _KINDS:
-                    continue
-                actions.append((_KINDS[kind], int(action.stage_index), int(action.microbatch_index)))
+            for entry in order[rank]:
+                for action in getattr(entry, "sub_actions", None) or (entry,):
+                    kind = getattr(getattr(action, "computation_type", None), "value", None)
+                    if action is None or kind not in _KINDS:
+                        continue
+                    actions.append((_KINDS[kind], int(action.stage_index), int(action.microbatch_index)))
             ranks.append(actions)
     except (AttributeError, TypeError) as error:
         return f"pipeline_order entries changed layout: {error}"
@@ -110,4 +117,4 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-__all__: Sequence[str] = ("PEERS", "TorchPipeline", "build", "compute_order", "first_line")
+__all__: Sequence[str] = ("NO_PEER", "PEERS", "TorchPipeline", "build", "compute_order", "first_line")

@@ -138,14 +138,20 @@ class Schedule:
         return owners
 
     def stage_to_rank(self) -> tuple[int, ...]:
-        """The rank of every stage; raises if a stage is computed on no rank or on several."""
+        """The rank of every stage; raises if a stage is computed on no rank or on several.
+
+        Cached on the (immutable) schedule: the runtime asks at every call."""
+        cached = self.__dict__.get("_placement")
+        if cached is not None:
+            return cached
         placement = []
         for stage, ranks in self.stage_ranks().items():
             if len(ranks) != 1:
                 where = f"on ranks {sorted(ranks)}" if ranks else "on no rank"
                 raise ScheduleError(f"stage {stage} is computed {where}; each stage must live on one rank")
             placement.append(next(iter(ranks)))
-        return tuple(placement)
+        object.__setattr__(self, "_placement", tuple(placement))
+        return self.__dict__["_placement"]
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.ranks))
