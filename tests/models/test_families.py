@@ -25,10 +25,12 @@ PLANS = {
     "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
     "pp": "pp=2,dp_shard=2,pp_microbatches=2",
 }
+# Each quirk under the shape most likely to break it, and one refusal: soft-capping, windows and
+# post-norms under TP; windows and rope per layer type under Ulysses; packed projections and the
+# whole-projection q/k norm under TP; multipliers across pipeline stages; NoPE layers under ring CP.
 CI_CASES = {
-    ("gemma2", "tp"), ("gemma2", "ulysses"), ("gemma2", "zigzag"), ("gemma3_text", "pp"), ("gemma3_text", "ulysses"),
-    ("phi3", "tp"), ("olmo2", "tp"), ("granite", "pp"), ("granite", "zigzag"), ("smollm3", "ring"),
-    ("glm4", "tp"), ("gemma", "zigzag"), ("helium", "pp"),
+    ("gemma2", "tp"), ("gemma2", "zigzag"), ("gemma3_text", "ulysses"), ("phi3", "tp"), ("olmo2", "tp"),
+    ("granite", "pp"), ("smollm3", "ring"),
 }
 FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 BATCH = BatchSpec(batch=4, seq=8, documents=1)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -28,11 +30,11 @@ def _load_and_export(spec: ModelSpec, plan: str, source: str, target: str):
     return loss.item()
 
 
-@pytest.mark.parametrize("kind, plan", [
-    ("llama", "tp=2,dp_shard=2"),
-    ("qwen2", "pp=2,dp_shard=2,pp_microbatches=2"),
-    ("gemma2", "tp=2,dp_shard=2"),
-])
+FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"  # CI runs Gemma-2 (the family with quirks) only
+CASES = [("llama", "tp=2,dp_shard=2"), ("qwen2", "pp=2,dp_shard=2,pp_microbatches=2"), ("gemma2", "tp=2,dp_shard=2")]
+
+
+@pytest.mark.parametrize("kind, plan", [c for c in CASES if FULL or c[0] == "gemma2"])
 def test_save_pretrained_load_export_round_trip(dist, tmp_path, kind, plan):
     spec = family_spec(kind, tied=kind == "gemma2")
     original = spec.build().eval()
