@@ -7,6 +7,9 @@ these, only this file changes.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -203,3 +206,46 @@ def torch_pipeline_order(schedule):
     entries are private `_Action`s), or None; the pipeline benchmark replays them in meshkit's simulator."""
     order = getattr(schedule, "pipeline_order", None)
     return order if isinstance(order, dict) else None
+
+
+def dcp_async_save(state, checkpoint_id: str, planner, group):
+    """`torch.distributed.checkpoint.async_save` (marked experimental) as a plain Future of the upload.
+
+    torch returns a Future, or an `AsyncSaveResponse` whose `upload_completion` is that Future when
+    its stager stages asynchronously; callers only wait for the files.
+    """
+    result = dcp.async_save(state, checkpoint_id=checkpoint_id, planner=planner, process_group=group)
+    return getattr(result, "upload_completion", result)
+
+
+def default_store():
+    """The store the default process group rendezvoused with (the heartbeat's channel), or None."""
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """All-gather into one tensor (ranks' inputs concatenated on dim 0): torch 2.13 renamed
+    `all_gather_into_tensor` to `all_gather_single` and deprecates the old name; 2.11 has only that."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """Summing reduce-scatter of one tensor (dim 0 split over ranks), under either torch's name."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+def collective_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds as its CPU backend holds it, or None.
+
+    Read back (not taken from the config) so a log line shows the timeout really in force.
+    """
+    try:
+        backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

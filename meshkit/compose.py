@@ -26,13 +26,16 @@ from meshkit import mesh as mesh_lib
 from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.expert_parallel import MoE, apply_expert_parallel
+from meshkit.inference import refuse_hf_forward
 from meshkit.models import llama
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
+from meshkit.pipeline.schedules import stage_placement
 from meshkit.plan import Plan, PlanError
 from meshkit.tensor_parallel import apply_tensor_parallel
+from meshkit.zero.offload import offload_policy
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
@@ -59,12 +62,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         if plan.compile:
             block.compile()
     stages = build_stages(parts, blocks, split.ranges, split.stage_ids, context_parallel)
-    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate, plan.param_dtype)
+    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate,
+                                        plan.param_dtype) or plan.offload != "none"
     if use_fsdp:
         data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
                                            tied=parts.tied, param_dtype=plan.param_dtype,
-                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard)
+                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard,
+                                           offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
+    refuse_hf_forward(model)
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
                                                     tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,
@@ -112,14 +118,15 @@ def _apply_pipeline_split(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> _Pi
     head, answering to the embedding's name, and the first/last-stage pair sums the two gradients.
     """
     parts = llama.parts(model)
-    num_stages = plan.pp * plan.pp_virtual_stages
+    num_stages = plan.pp * plan.pp_stages_per_rank if plan.pp > 1 else 1
     ranges = pipeline_split.split_layers(len(parts.blocks), num_stages, plan.pp_split or None)
-    stage_ids = (list(range(num_stages)) if plan.pp == 1 else
-                 pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), plan.pp, plan.pp_virtual_stages))
+    placement = stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
+    stage_ids = pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), placement)
     aliases, group = {}, None
-    if plan.pp > 1 and parts.tied:  # embedding and head on different ranks: each holds a copy
+    if plan.pp > 1 and parts.tied:  # embedding and head in different stage modules: each holds a copy
         aliases = llama.untie_for_pipeline(model, keep_copy=num_stages - 1 in stage_ids)
-        group = mesh_lib.first_last_stage_group(mesh)
+        # Under a V placement both copies live on rank 0 and their gradients are summed there, locally.
+        group = mesh_lib.first_last_stage_group(mesh) if placement[0] != placement[-1] else None
         parts = llama.parts(model)
     for module in pipeline_split.modules_not_held(parts, ranges, stage_ids):
         module.to("meta")  # another pipeline rank's layers: keep the names, free the memory
@@ -146,11 +153,14 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> Dev
 
 
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
-    """How every attention layer splits its sequence over the cp axis (USP: a Ulysses x ring grid)."""
-    if plan.cp_attention == "usp":
+    """How every attention layer splits its sequence over the cp axis (USP, and the all-gather kind with
+    cp_ulysses > 1: a Ulysses x outer grid). dK/dV travel in the plan's reduce dtype."""
+    grad_dtype = data_parallel.DTYPES[plan.reduce_dtype]
+    if plan.cp_attention == "usp" or (plan.cp_attention == "allgather" and plan.cp_ulysses > 1):
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
-        return ContextParallelAttention("usp", plan.cp_layout, ulysses_group=ulysses_group, ring_group=ring_group)
-    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"])
+        return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
+                                        ring_group=ring_group, grad_dtype=grad_dtype)
+    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype)
 
 
 def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from meshkit._compat import fsdp_sum_gradients
@@ -59,25 +59,28 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward: bool,
     shard_placement_fn=None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> list[nn.Module]:
     """`fully_shard` each unit then the root over `mesh` (1D FSDP or 2D HSDP); return the FSDP modules.
 
     The last unit is never resharded after forward: backward needs it first, so resharding would
     only add an all-gather. `shard_placement_fn` picks a parameter's shard dim (FSDP2's default is 0).
+    `offload_policy` places the shards in host memory (`meshkit.zero.offload`).
     """
     # FSDP2 warns on every forward that a unit returned a view (TP's to_local makes one), because an
     # in-place op on it would skip the pre-backward hook. meshkit's stages never modify unit outputs
     # in place (HF blocks add residuals out of place), so the warning is noise, filtered by its text.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    placement = dict(shard_placement_fn=shard_placement_fn, offload_policy=offload_policy or OffloadPolicy())
     wrapped = []
     for i, unit in enumerate(units):
         last = i == len(units) - 1
         module = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
-                             shard_placement_fn=shard_placement_fn)
+                             **placement)
         wrapped.append(module)
     wrapped.append(fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                               shard_placement_fn=shard_placement_fn))
+                               **placement))
     for module in wrapped:
         # A list unit shares one FSDP state among its modules; setting it on the first sets it for all.
         fsdp_sum_gradients(module[0] if isinstance(module, list) else module)
@@ -94,6 +97,7 @@ def apply_fsdp_to_stages(
     param_dtype: str,
     reduce_dtype: str,
     reshard_after_forward: bool,
+    offload_policy: OffloadPolicy | None = None,
 ) -> None:
     """FSDP units of meshkit's stages: each MoE layer's experts (over `expert_mesh`, the data ranks ep
     leaves), then per stage the embedding, each block, `[norm, lm_head]` and the stage as root.
@@ -101,7 +105,8 @@ def apply_fsdp_to_stages(
     A tied weight lives in both the embedding and the head and can belong to one unit only, so with
     tying (`tied`) both stay in the root unit.
     """
-    policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
+    policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+                  offload_policy=offload_policy)
     for moe in expert_layers:
         apply_fsdp([], moe.experts, expert_mesh, shard_placement_fn=expert_placement(expert_mesh.shape[-1]),
                    **policy)

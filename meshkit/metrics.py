@@ -228,7 +228,7 @@ def peak_memory() -> tuple[int, str]:
 def format_step_line(step: int, total_steps: int, values: Mapping[str, float | None]) -> str:
     """One console line per step; keys with a None value (e.g. MFU on an unknown GPU) are skipped."""
     units = {
-        "loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.2e}", "grad_norm": "{:.3f}", "tokens_per_s": "{:,.0f}",
+        "loss": "{:.4f}", "ce": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.2e}", "grad_norm": "{:.3f}", "tokens_per_s": "{:,.0f}",
         "tokens_per_s_per_device": "{:,.0f}", "mfu": "{:.2%}", "hfu": "{:.2%}", "step_s": "{:.3f}s",
     }
     width = len(str(total_steps))

@@ -17,20 +17,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from meshkit import generation, inference
+from meshkit.data.loader import PackedLoader, check_fits_model
+from meshkit.data.store import TokenStore
 from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.mesh import axis
-from meshkit.models import moe as moe_models
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import build_schedule, forward_only
 from meshkit.plan import Plan
 from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
+from meshkit.step.aux import AuxLosses
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import summed_per_call
+from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
 from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
+from meshkit.zero import stages as zero_stages
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class Sharded:
     reduce_tp_grads: bool = False  # TP without FSDP: place gradients like their parameters after backward
     tp_summed_params: tuple[nn.Parameter, ...] = ()  # MoE weights every TP rank holds whole: summed over tp
     tied_aliases: Mapping[str, str] = field(default_factory=dict)  # pp > 1: {LM head copy: embedding}
-    tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies
+    tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies (None: one rank)
 
 
 class ParallelModel:
@@ -60,6 +64,8 @@ class ParallelModel:
         self._schedule = (build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
                           if plan.pp > 1 else None)
         self._eval_schedule = forward_only(self._schedule) if self._schedule is not None else None
+        self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
+        self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self.check_inputs = True
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
@@ -75,8 +81,13 @@ class ParallelModel:
         self._tied_params = [named[n] for n in tied_names if id(named[n]) in held]
         self._tied_group = sharded.tied_group
         self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
-        # HF MoE models add their load-balancing loss only when the config asks (output_router_logits).
-        self._hf_aux = bool(getattr(model.config, "output_router_logits", False)) and moe_models.is_moe_model(model)
+        # Router auxiliary terms (meshkit MoE coefficients, HF's output_router_logits): weights and values.
+        self._aux = AuxLosses(model, self.model_parts, mesh, plan.microbatches)
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """This rank's stage modules by global stage index (one per rank without virtual stages)."""
+        return dict(self._stages)
 
     @property
     def tied_aliases(self) -> dict[str, str]:
@@ -117,6 +128,18 @@ class ParallelModel:
         """Switch every part to eval mode."""
         return self.train(False)
 
+    def dataloader(self, store: TokenStore | Mapping[str, TokenStore], *, seq_len: int, global_batch: int,
+                   **kwargs) -> PackedLoader:
+        """A `meshkit.data.PackedLoader` feeding this model: dp rank and size from the mesh.
+
+        Checks first, on every rank alike, that the store's vocabulary fits the embedding and that
+        `seq_len` is within `max_position_embeddings`. `global_batch` counts rows over all dp ranks;
+        other keywords (seed, split, pack, weights, prefetch) go to the loader.
+        """
+        check_fits_model(store, seq_len, self.model.config)
+        return PackedLoader(store, seq_len=seq_len, global_batch=global_batch, dp_rank=self.dp_rank,
+                            dp_size=self.dp_size, **kwargs)
+
     # ------------------------------------------------------------ the step
     def count_valid_tokens(self, labels: torch.Tensor) -> int:
         """Global number of predicted tokens in `labels` (after the one-token shift), over all data ranks.
@@ -135,48 +158,65 @@ class ParallelModel:
         *,
         position_ids: torch.Tensor | None = None,
         loss_denominator: int | float | None = None,
-    ) -> torch.Tensor:
+        last_microbatch: bool = True,
+        parts: bool = False,
+    ) -> torch.Tensor | loss_lib.LossParts:
         """Forward and backward on this data rank's batch [B, S]; return the loss, gradients accumulated.
 
         The returned loss (detached, identical on every rank) is the single-device loss of the global
-        batch: token losses summed over all data ranks divided by `loss_denominator`, which defaults
-        to this call's global valid-token count. Labels are unshifted (HF convention, -100 ignored).
-        `position_ids` that restart at 0 mark packed documents (block-diagonal causal attention).
+        batch: token cross-entropies summed over all data ranks divided by `loss_denominator`, which
+        defaults to this call's global valid-token count, plus the router auxiliary terms of MoE
+        models (HF's `router_aux_loss_coef` term with `output_router_logits`, meshkit MoE layers'
+        `aux_loss_coef`/`z_loss_coef`), weighted as they enter the gradients (`meshkit.step.aux`): for
+        HF MoE models this is HF's own `loss`. `parts=True` returns `LossParts(loss, ce, aux)`, the two
+        terms apart (aux 0 for a model without any). Labels are unshifted (HF convention, -100
+        ignored). `position_ids` that restart at 0 mark packed documents (block-diagonal attention).
+
+        Under gradient accumulation pass `last_microbatch=False` to every call of a window but its
+        last: with `Plan(grad_sync="last_microbatch")` gradients then stay local until that call, and
+        ZeRO-1/2 keep the gathered parameters for the next call (docs/memory.md).
         """
+        if not isinstance(last_microbatch, bool):
+            raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
         batch = self._prepare(input_ids, labels, position_ids)
+        self._window_open = not last_microbatch
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
-        aux = None
+        weight = batch.valid_tokens / denominator  # this call's share of the window (1 without accumulation)
+        self._aux.begin(weight)
+        hf_aux = None
         with summed_per_call(self._tp_summed_params, self._tp_group), \
                 summed_per_call(self._tied_params, self._tied_group), \
+                copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
                 loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
-                share = self._pipeline_step(self._schedule, batch, denominator)
+                share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)
             else:
-                (stage,) = self.model_parts
-                logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
-                share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
-                aux = moe_models.hf_aux_loss(self.model) if self._hf_aux else None
-                if aux is None:
-                    share.backward()
-                else:
-                    # HF adds coef * load-balancing loss per forward; weighted by this call's share of
-                    # the window's tokens it stays the token-weighted mean under accumulation.
-                    aux = aux * (batch.valid_tokens / denominator)
-                    torch.autograd.backward([share, aux])
+                share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
             if self._reduce_tp_grads:
                 place_grads_like_params(dtensor_params(self.model_parts))
-        loss = self._global_loss(share)
-        if self._schedule is None and aux is not None:
-            # Each rank's aux is its share of the global one, summed over every token-splitting rank.
-            aux = aux.detach().float().clone()
-            dist.all_reduce(aux, group=axis(self.mesh, "dp_cp_tp").get_group())
-            loss = loss + aux
-        return loss
+        return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
+
+    def _step(self, batch: LocalBatch, denominator: float, last_microbatch: bool, weight: float):
+        """One stage's forward and backward (no pipelining), under the zero stage's gradient policy;
+        returns the CE share and HF's router auxiliary term (None without one), weighted by `weight`."""
+        (stage,) = self.model_parts
+        plan = self.plan
+        with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
+            logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
+            share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+            hf_aux = self._aux.hf_term(weight)
+            if hf_aux is None:
+                share.backward()
+            else:
+                torch.autograd.backward([share, hf_aux])
+        return share, hf_aux
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The global-batch loss without touching gradients (eval mode is the caller's choice).
+                 position_ids: torch.Tensor | None = None, parts: bool = False) -> torch.Tensor | loss_lib.LossParts:
+        """The global-batch loss without touching gradients (eval mode is the caller's choice): the same
+        value `forward_backward` returns on the batch (CE plus router auxiliary terms; `parts=True`
+        returns them apart as `LossParts`).
 
         Under pp > 1 the training schedule's forwards run alone, in its order, over the same
         `pp_microbatches`. FSDP units are resharded afterwards: a unit left gathered (the last one is
@@ -185,6 +225,8 @@ class ParallelModel:
         """
         batch = self._prepare(input_ids, labels, position_ids)
         denominator = float(max(batch.valid_tokens, 1))
+        self._aux.begin(1.0, measure=True)
+        hf_aux = None
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._eval_schedule is not None:
                 share = self._pipeline_step(self._eval_schedule, batch, denominator)
@@ -192,11 +234,48 @@ class ParallelModel:
                 (stage,) = self.model_parts
                 logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
                 share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+                hf_aux = self._aux.hf_term(1.0)
         for part in self.model_parts:
             reshard_fsdp(part)
-        return self._global_loss(share)
+        return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
 
-    def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float) -> torch.Tensor:
+    @staticmethod
+    def _loss(ce: torch.Tensor, aux: torch.Tensor | None, parts: bool) -> torch.Tensor | loss_lib.LossParts:
+        loss = ce if aux is None else ce + aux
+        if not parts:
+            return loss
+        return loss_lib.LossParts(loss, ce, torch.zeros_like(ce) if aux is None else aux)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                gather: bool = False) -> torch.Tensor:
+        """Logits [B, S, vocab] (fp32, no gradients) of this data rank's batch, equal to the single-device
+        model's, on every rank of every plan.
+
+        Any sequence length works (padded internally to what cp/SP need); context shards come back
+        gathered in token order; under pp the last stage's logits are broadcast to every pipeline
+        rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
+        tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
+        Collective over the whole mesh: every rank calls it. See `meshkit.inference`.
+        """
+        return inference.forward(self, input_ids, position_ids, gather=gather)
+
+    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
+                 seed: int = 0) -> torch.Tensor:
+        """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
+
+        temperature 0 is greedy, token for token what HF's `generate(do_sample=False)` gives on the
+        single-device model (same eos/pad handling: finished rows are padded with `pad_token_id`,
+        default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
+        samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
+        used under every plan except cp > 1, where each step recomputes the whole sequence. Every
+        rank calls it with the same `max_new_tokens`; see `meshkit.generation`.
+        """
+        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+
+    def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
+                       last_microbatch: bool = True) -> torch.Tensor:
         """Run this rank's part of `schedule` over `pp_microbatches` slices of the batch's rows."""
         m = self.plan.microbatches
         rows_total, seq = batch.input_ids.shape
@@ -215,7 +294,9 @@ class ParallelModel:
                   for r in rows]
         losses = run_schedule(schedule, self._stages, pp_group=self._pp.get_group(),
                               microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
-                              shapes=shapes, stage_kwargs=kwargs, device=self.device)
+                              shapes=shapes, stage_kwargs=kwargs, device=self.device,
+                              reduce_grads=zero_stages.syncs_now(self.plan.grad_sync, last_microbatch),
+                              reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch))
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(t.full_tensor() if isinstance(t, DTensor) else t for t in losses)
@@ -236,12 +317,22 @@ class ParallelModel:
     # ------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
+        self._check_window_closed("clip_grad_norm_")
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups(),
                                counted=self._norm_params())
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""
+        self._check_window_closed("grad_norm")
         return total_grad_norm(self._norm_params(), norm_type, self._norm_groups())
+
+    def _check_window_closed(self, what: str) -> None:
+        """Gradients of an unfinished accumulation window may be unreduced: refuse to read them (every
+        rank made the same calls, so every rank raises)."""
+        if self._window_open:
+            raise ValueError(f"{what}: the last forward_backward passed last_microbatch=False, so its window's "
+                             "gradients may not be reduced yet; fix: pass last_microbatch=True to the window's "
+                             "last call before clipping or stepping")
 
     def _norm_params(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if id(p) not in self._not_in_norm]

@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.context_parallel.sharding import required_multiple
+from meshkit.pipeline.schedules import SCHEDULES as PP_SCHEDULES
+from meshkit.pipeline.schedules import stages_per_rank
 from meshkit.plan_rules import cp_problems, model_problems, pp_problems
+from meshkit.zero.rules import memory_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,8 +30,7 @@ else:  # pragma: no cover
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 AC_MODES = ("none", "selective", "full")
-CP_ATTENTION = ("ring", "zigzag", "ulysses", "usp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -68,6 +70,10 @@ class Plan:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_split: tuple[int, ...] = ()
+    # Memory (docs/memory.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
+    zero: int = 3
+    grad_sync: str = "every_microbatch"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -104,6 +110,7 @@ class Plan:
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
+        problems += memory_problems(self)
         _raise(problems)
 
     # ------------------------------------------------------------------ sizes
@@ -178,28 +185,38 @@ class Plan:
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per pipeline step (`pp_microbatches`, defaulting to pp; 1 without pipelining)."""
+        """Microbatches per pipeline step (`pp_microbatches`, defaulting to the stage count; 1 without pipelining)."""
         if self.pp_microbatches is not None:
             return self.pp_microbatches
-        return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
+        return self.pp * self.pp_stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Stages each pipeline rank holds: `pp_virtual_stages`, but always two under the V schedules
+        (zb_v, dualpipe_v), whose placement is the V itself."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages)
 
     @property
     def fsdp_reshard(self) -> bool:
         """Whether FSDP frees gathered parameters after forward: `reshard_after_forward`, by default yes
-        unless pipelining, whose microbatches would otherwise re-gather them once each."""
+        unless pipelining, whose microbatches would otherwise re-gather them once each; never under
+        ZeRO-1/2, whose parameters stay replicated through forward and backward."""
+        if self.zero < 3:
+            return False
         return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
     @property
     def cp_layout(self) -> str:
         """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
-        return "zigzag" if self.cp_attention in ("zigzag", "usp") else "contiguous"
+        return "zigzag" if self.cp_attention in ("zigzag", "allgather", "usp") else "contiguous"
 
     @property
     def ulysses_degree(self) -> int:
-        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP)."""
+        """How many cp ranks exchange heads by all-to-all (all of cp for Ulysses, cp_ulysses for USP and
+        the all-gather kind's 2D variant)."""
         if self.cp_attention == "ulysses":
             return self.cp
-        return self.cp_ulysses if self.cp_attention == "usp" else 1
+        return self.cp_ulysses if self.cp_attention in ("usp", "allgather") else 1
 
     def seq_multiple(self) -> int:
         """Sequence lengths must be a multiple of this: cp's layout times the SP split of each cp shard."""
@@ -259,6 +276,22 @@ class Plan:
         """Plain mapping of every field (TOML-serialisable except None values)."""
         return dataclasses.asdict(self)
 
+    def to_string(self) -> str:
+        """The compact form `from_string` reads back to an equal Plan: every field off its default."""
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default or (f.name == "pp_split" and not value):
+                continue
+            if f.name == "pp_split":
+                value = "/".join(str(v) for v in value)
+            elif value is None:
+                value = "none"
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            parts.append(f"{f.name}={value}")
+        return ",".join(parts)
+
     def describe(self) -> str:
         """One line naming the non-trivial degrees, for logs."""
         parts = [f"{d}={getattr(self, d)}" for d in DEGREES if getattr(self, d) != 1]
@@ -270,8 +303,9 @@ class Plan:
         group = parser.add_argument_group("meshkit plan")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            group.add_argument(flag, dest=f"plan_{f.name}", default=None, metavar=f.name.upper(),
-                               help=f"Plan.{f.name} (default {f.default!r})")
+            # SUPPRESS: a flag not given leaves no attribute, so help shows no misleading "default: None".
+            group.add_argument(flag, dest=f"plan_{f.name}", default=argparse.SUPPRESS, metavar=f.name.upper(),
+                               help=f"Plan.{f.name}; built-in default {f.default!r} (a TOML plan may set another)")
         return parser
 
     @classmethod

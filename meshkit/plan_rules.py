@@ -32,21 +32,33 @@ def pp_problems(plan: Plan) -> list[str]:
                 f"pp_microbatches={m}: interleaved 1F1B needs at least pp={plan.pp} microbatches; fix: "
                 f"pp_microbatches={plan.pp} or more"
             )
+    elif plan.pp_schedule in ("zb_v", "dualpipe_v"):
+        if v not in (1, 2):
+            problems.append(
+                f"pp_virtual_stages={v} with pp_schedule={plan.pp_schedule!r}: V schedules always hold two stages per "
+                f"rank (stage r and 2*pp-1-r); fix: leave pp_virtual_stages at 1 or set it to 2"
+            )
+        if plan.pp_schedule == "dualpipe_v" and plan.pp > 1 and m < 2 * plan.pp:
+            problems.append(
+                f"pp_microbatches={m}: DualPipeV needs at least 2*pp={2 * plan.pp} microbatches; fix: "
+                f"pp_microbatches={2 * plan.pp} or more, or pp_schedule='zb_v'"
+            )
     elif v != 1:
         problems.append(
             f"pp_virtual_stages={v} with pp_schedule={plan.pp_schedule!r}: only interleaved_1f1b runs several "
             f"stages per rank; fix: pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'"
         )
-    if plan.pp_split and len(plan.pp_split) != plan.pp * v - 1:
+    stages = plan.pp * plan.pp_stages_per_rank
+    if plan.pp_split and len(plan.pp_split) != stages - 1:
         problems.append(
-            f"pp_split={list(plan.pp_split)}: {plan.pp * v} stages need {plan.pp * v - 1} split points (the first "
+            f"pp_split={list(plan.pp_split)}: {stages} stages need {stages - 1} split points (the first "
             f"layer of every stage after the first)"
         )
     return problems
 
 
 def cp_problems(plan: Plan) -> list[str]:
-    """Context-parallel options that contradict each other (the USP split of cp)."""
+    """Context-parallel options that contradict each other (the Ulysses x outer split of cp)."""
     problems = []
     if plan.cp_attention == "usp":
         if plan.cp > 1 and (plan.cp_ulysses < 2 or plan.cp_ulysses >= plan.cp or plan.cp % plan.cp_ulysses):
@@ -56,10 +68,19 @@ def cp_problems(plan: Plan) -> list[str]:
                 f"cp/cp_ulysses, so cp_ulysses must be a proper divisor of cp={plan.cp} above 1; fix: use one of "
                 f"{divisors or 'none (use cp_attention=ulysses or zigzag)'}"
             )
+    elif plan.cp_attention == "allgather":
+        # Ulysses inside, the K/V all-gather over the cp/cp_ulysses outer ranks; 1 = no Ulysses.
+        if plan.cp > 1 and (plan.cp_ulysses >= plan.cp or plan.cp % plan.cp_ulysses):
+            divisors = [d for d in range(1, plan.cp) if plan.cp % d == 0]
+            problems.append(
+                f"cp_ulysses={plan.cp_ulysses}: cp_attention='allgather' runs Ulysses over cp_ulysses ranks and "
+                f"gathers K/V over cp/cp_ulysses, so cp_ulysses must be a divisor of cp={plan.cp} below it; fix: "
+                f"use one of {divisors}"
+            )
     elif plan.cp_ulysses != 1:
         problems.append(
-            f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' splits cp into Ulysses x ring; fix: set "
-            f"cp_ulysses=1 or cp_attention='usp'"
+            f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' or 'allgather' splits cp into Ulysses x "
+            f"ring; fix: set cp_ulysses=1, or cp_attention='usp' or 'allgather'"
         )
     return problems
 
@@ -91,11 +112,11 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
                 f"tp={tp}: the vocab-parallel embedding and LM head split vocab_size={config.vocab_size}, and {tp} does "
                 f"not divide it; fix: pad the vocabulary to {math.ceil(config.vocab_size / tp) * tp}"
             )
-    stages = plan.pp * plan.pp_virtual_stages
+    stages = plan.pp * plan.pp_stages_per_rank if plan.pp > 1 else 1
     if stages > 1:
         if config.num_hidden_layers + 2 < stages:
             problems.append(
-                f"pp={plan.pp} x pp_virtual_stages={plan.pp_virtual_stages}: {stages} pipeline stages need at least "
+                f"pp={plan.pp} x {plan.pp_stages_per_rank} stages per rank: {stages} pipeline stages need at least "
                 f"{stages - 2} decoder layers (embedding and head count as one each); the model has "
                 f"{config.num_hidden_layers}; fix: fewer stages"
             )

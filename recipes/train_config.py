@@ -46,20 +46,37 @@ class TrainConfig:
     threads: int = 0  # torch threads per process on CPU; 0: cores / local processes
     save_every: int = 0  # save a meshkit checkpoint every N steps (and at the end); 0: never
     save_dir: str = "checkpoints"  # checkpoints go to <save_dir>/step-NNNNNNNN
-    resume: str = ""  # resume from the newest finished checkpoint under this directory (any plan)
+    resume: str = ""  # "auto": the newest checkpoint under save_dir that verifies, else a fresh start; or a directory
+    allow_batch_change: bool = False  # resume even if global batch or seq_len differ from the checkpoint's
     export_hf: str = ""  # at the end, write a directory that transformers' from_pretrained loads
     eval_every: int = 0  # held-out loss every N steps and after the last; 0: never
     eval_batches: int = 2  # held-out batches per evaluation (same shape as a training micro-batch)
+    # Reliability (docs/reliability.md): checkpoints, restarts, non-finite steps, hung ranks.
+    load_step: int = 0  # resume from this step's checkpoint instead of the newest (0: the newest)
+    overwrite: bool = False  # let a run delete checkpoints in save_dir it would otherwise refuse to mix with
+    keep_last: int = 0  # keep only the newest K complete checkpoints (0: keep all)
+    async_save: bool = False  # write checkpoints in the background (DCP async_save); the step goes on
+    on_nonfinite: str = "error"  # non-finite loss or grad norm: "error" stops naming the step, "skip" skips it
+    timeout_s: float = 600.0  # collective timeout of the process group
+    heartbeat_s: float = 60.0  # a rank silent this long is named and the job ended (0: no heartbeat)
 
 
 @dataclass
 class DataConfig:
-    """The [data] table: a synthetic Markov chain over the vocabulary.
+    """The [data] table: a token store (`path`), a blend of stores (`weights`), or synthetic tokens.
 
-    Each token has `branching` possible successors drawn once from `chain_seed`, so the best achievable
-    loss is ln(branching) while a fresh model starts near ln(vocab_size).
+    A store is written by `python -m meshkit.data prepare`; rows are packed documents (`pack = false`:
+    one document per row, padded). `weights = {"<store dir>" = 0.7, "<other store>" = 0.3}` blends
+    stores sample by sample. Without a store (or with `synthetic = true`) the data is a Markov chain
+    over the vocabulary: each token has `branching` successors drawn once from `chain_seed`, so the best
+    achievable loss is ln(branching) while a fresh model starts near ln(vocab_size). Sequence length,
+    batch and evaluation cadence stay in [train].
     """
 
+    path: str = ""  # a token store directory
+    pack: bool = True  # documents packed into rows (position_ids restart per document)
+    weights: dict[str, float] = field(default_factory=dict)  # blend: store directory -> weight
+    synthetic: bool = False  # true: the Markov chain below (also the default when no store is named)
     branching: int = 2
     chain_seed: int = 1234  # draws the transition table (shared by all ranks)
 
@@ -110,16 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(f"[{cls.__name__[:-6].lower()}]")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            # SUPPRESS: a flag not given leaves the preset's value alone, and --help shows the built-in
+            # default (what applies when neither the preset nor the flag sets it), not "default: None".
+            text = f"built-in default {f.default!r}; a --config preset may set another"
             if f.type in ("bool", bool):
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=text)
             else:
-                group.add_argument(flag, dest=f.name, default=None, type=_TYPES[str(f.type)],
-                                   help=f"(preset default {f.default!r})")
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, type=_TYPES[str(f.type)], help=text)
     meshkit.Plan.add_cli_args(parser)
     return parser
 
 
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float, "str": str,
+          "dict[str, float]": lambda text: _toml_value(text)}  # an inline TOML table: '{"a" = 0.7, "b" = 0.3}'
 
 
 def _toml_value(text: str) -> Any:

@@ -7,8 +7,9 @@ The recipe is an ordinary training loop: everything parallel lives behind `meshk
 loop reads the same for one process or a 5D mesh. The model is built on the meta device and only this
 rank's shards are ever materialised. Data is synthetic by default (a Markov chain, so the loss has
 something to learn and falls visibly within a few dozen steps); every rank with the same data-parallel
-rank generates the same batches without any communication. The preset and flags are read by
-`train_config.py`, next to this file.
+rank generates the same batches without any communication. With `[data] path` (a token store written
+by `python -m meshkit.data prepare`) it trains on real text through `meshkit.data`; `data_setup.py`
+builds either. The preset and flags are read by `train_config.py`, next to this file.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import data_setup  # the recipe's own modules beside this script (the script's folder is on sys.path)
+import preflight
 import torch
 import torch.distributed as dist
+from checkpointing import Checkpointing
+from nonfinite import NonFiniteGuard
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
     DataConfig,
     RunConfig,
@@ -31,10 +37,13 @@ from train_config import (  # the recipe's own module beside this script (the sc
     build_parser,
     load_config,
 )
+from transformers.utils import logging as hf_logging
 
 import meshkit
-from meshkit import checkpoint, metrics
+from meshkit import heartbeat, metrics
 from meshkit.activation_checkpoint import moe_blocks_full
+from meshkit.mesh import ensure_process_group, world_size_from_env
+from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -75,14 +84,14 @@ class MarkovTokens:
 HELD_OUT_STEP = -1  # training steps count from 1
 
 
-def evaluate(pm: meshkit.ParallelModel, data: MarkovTokens, batches: int) -> float:
+def evaluate(pm: meshkit.ParallelModel, data: data_setup.SyntheticData | data_setup.StoreData, batches: int) -> float:
     """Loss over the held-out batches, weighted by their tokens (the single-device loss of them all)."""
     pm.eval()
     total = count = 0.0
     for index in range(batches):
-        input_ids, labels = data.held_out(index)
+        input_ids, labels, position_ids = data.held_out(index)
         tokens = pm.count_valid_tokens(labels)
-        total += float(pm.evaluate(input_ids, labels)) * tokens
+        total += float(pm.evaluate(input_ids, labels, position_ids=position_ids)) * tokens
         count += tokens
     pm.train()
     return total / max(count, 1)
@@ -185,15 +194,44 @@ def _profiler(enabled: bool, trace_dir: Path, steps: int):
 def train(run: RunConfig) -> dict[str, float]:
     """The loop. Returns first/last loss and timing (rank-identical) for scripts and tests."""
     cfg = run.train
-    for name in ("steps", "seq_len", "local_batch", "grad_accum", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 1")
-    for name in ("eval_every", "eval_batches"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"[train] {name}={getattr(cfg, name)}: must be >= 0 (eval_every=0 turns evaluation off)")
+    model_config, ckpt_dir, load_weights = build_model_config(run.model)
+    preflight.check_config(run, model_config, world_size_from_env())  # pure: before any collective
     _set_threads(cfg)
     torch.manual_seed(cfg.seed)
-    model_config, ckpt_dir, load_weights = build_model_config(run.model)
+    ensure_process_group(timeout_s=cfg.timeout_s)
+    beat = _start_heartbeat(cfg)
+    if _rank() == 0:
+        timeout = heartbeat.collective_timeout_s()
+        print(f"meshkit: collective timeout {'unknown' if timeout is None else f'{timeout:.0f} s'}, heartbeat "
+              f"{f'{cfg.heartbeat_s:g} s' if beat is not None else 'off'}", flush=True)
+    try:
+        return _train(run, model_config, ckpt_dir, load_weights, beat)
+    finally:
+        if beat is not None:
+            beat.stop()
+
+
+def _start_heartbeat(cfg: TrainConfig) -> heartbeat.Heartbeat | None:
+    """Name a silent rank and end this one, so torchrun ends (or restarts) the job promptly."""
+    if not cfg.heartbeat_s:
+        return None
+
+    def end_job(silent: list[heartbeat.Silent]) -> None:
+        sys.stderr.write("".join(s.message(_rank()) + "\n" for s in silent))
+        sys.stderr.flush()
+        os._exit(EXIT_SILENT_RANK)
+
+    return heartbeat.start_for_process_group(cfg.heartbeat_s, end_job,
+                                             namespace=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+EXIT_SILENT_RANK = 3  # documented in docs/reliability.md
+
+
+def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weights: bool,
+           beat: heartbeat.Heartbeat | None) -> dict[str, float]:
+    cfg = run.train
+    preflight.check_filesystem(run, model_config)
 
     from transformers import AutoModelForCausalLM
 
@@ -201,26 +239,29 @@ def train(run: RunConfig) -> dict[str, float]:
         model = AutoModelForCausalLM.from_config(model_config)
     n_nonembedding = metrics.count_nonembedding_params(model)
     pm = meshkit.parallelize(model, run.plan)
-    if cfg.resume:
-        pass  # weights come from the checkpoint below
+    ckpt = Checkpointing(cfg, pm, global_batch=pm.dp_size * cfg.local_batch * cfg.grad_accum)
+    if ckpt.resuming:
+        pm.materialise()  # values come from the checkpoint below; the optimizer must hold the real tensors
     elif load_weights:
         pm.load_hf_checkpoint(ckpt_dir)  # each rank reads only the slices it holds
     else:
         pm.init_weights(cfg.seed)
     plan, world, rank = pm.plan, dist.get_world_size(), dist.get_rank()
+    seq_problem = plan.seq_len_problem(cfg.seq_len)  # at startup, not at the first step
+    if seq_problem:
+        raise ValueError(f"[train] seq_len={cfg.seq_len}: {seq_problem}")
+    record = run_record(plan, pm.dp_size, cfg.local_batch, cfg.grad_accum, cfg.seq_len)  # goes into checkpoints
 
     optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = lr_schedule(optimizer, cfg)
-    first_step = 1
-    if cfg.resume:
-        path = checkpoint.latest(cfg.resume)
-        if path is None:
-            raise ValueError(f"[train] resume={cfg.resume!r}: no finished checkpoint under it")
-        first_step = pm.load_checkpoint(path, optimizer, scheduler=scheduler)["step"] + 1
-        if rank == 0:
-            print(f"meshkit: resumed from {path} at step {first_step}", flush=True)
-    data = MarkovTokens(model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size)
+    data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
+        model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size))
+    first_step = ckpt.restore(optimizer, scheduler, data=data.loader)
+    problem = resume_problem(ckpt.resumed_extra, record, cfg.allow_batch_change) if ckpt.resuming else None
+    if problem:  # the same checkpoint metadata on every rank: every rank raises
+        raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
+    guard = NonFiniteGuard(cfg.on_nonfinite, rank)
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
                                   moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
@@ -240,58 +281,78 @@ def train(run: RunConfig) -> dict[str, float]:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0, dynamic_ncols=True, desc="train")
+    # A bar only on a terminal: piped into a log (make demo), it would interleave with the step lines.
+    bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0 or not sys.stderr.isatty(),
+               dynamic_ncols=True, desc="train")
     prof = _profiler(cfg.profile, log_dir / "profile", cfg.steps)
     if prof is not None:
         prof.start()
     losses: list[float] = []
     times: list[float] = []
+    waits: list[float] = []  # seconds each step waited for its data (prefetch stall)
     eval_losses: dict[int, float] = {}
     metrics.reset_peak_memory()
     for step in range(first_step, cfg.steps + 1):
         # Made before the clock starts: a real loader prefetches, and the step time should be the model's.
-        batches = [data.batch_at(step, micro) for micro in range(cfg.grad_accum)]
+        wait_before = data.wait_s
+        batches = data.step_batches(step)  # meshkit.data prefetches; wait_s counts what the step waited
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        denominator = sum(pm.count_valid_tokens(labels) for _, labels in batches)
-        # Each call returns its share of the window's loss (same denominator), so the shares add up.
-        loss = sum(pm.forward_backward(input_ids, labels, loss_denominator=denominator)
-                   for input_ids, labels in batches)
+        denominator = sum(pm.count_valid_tokens(labels) for _, labels, _ in batches)
+        # Each call returns its share of the window's loss (same denominator), so the shares add up;
+        # CE and the MoE router auxiliary terms come back apart (`parts`) and are logged apart.
+        calls = [pm.forward_backward(input_ids, labels, position_ids=position_ids, loss_denominator=denominator,
+                                     parts=True)
+                 for input_ids, labels, position_ids in batches]
+        loss, ce, aux = (sum(terms) for terms in zip(*calls))
         grad_norm = pm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else float("inf"))
-        optimizer.step()
+        if guard.allows_step(step, float(loss), float(grad_norm)):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         pm.update_expert_biases()  # DeepSeek-V3 router balancing; a no-op without it
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-            pm.save_checkpoint(checkpoint.step_dir(cfg.save_dir, step), optimizer, scheduler=scheduler, step=step)
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
+        save_s = ckpt.after_step(step, optimizer, scheduler, last=step == cfg.steps,  # not in step_s
+                                 extra=with_run_record(None, record), data=data.loader)
+        if beat is not None:
+            beat.progress(step)
         if prof is not None:
             prof.step()
         losses.append(loss_value)
         times.append(step_s)
+        waits.append(data.wait_s - wait_before)
         tps = metrics.tokens_per_s_per_device(global_tokens, step_s, world)
         mem, mem_label = metrics.peak_memory()
         values = {
-            "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
+            "loss": loss_value, **({"ce": float(ce), "aux": float(aux)} if float(aux) else {}),
+            "lr": lr, "grad_norm": float(grad_norm), "step_s": step_s,
             "tokens_per_s_per_device": tps, "mfu": metrics.mfu(fpt.model, tps, peak),
             "hfu": metrics.mfu(fpt.hardware, tps, peak) if fpt.recompute else None,
             f"{'max_alloc' if mem_label.startswith('cuda') else 'peak_rss'}_gib": mem / 2**30,
         }
+        if save_s:
+            values["checkpoint_s"] = save_s  # blocking part only: staging, under async_save
+        if guard.skipped:
+            values["skipped_steps"] = len(guard.skipped)
         logger.log(step, values)
         if cfg.eval_every and cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
             eval_losses[step] = evaluate(pm, data, cfg.eval_batches)  # after the clock: not in step_s
             values["eval_loss"] = eval_losses[step]
-            logger.log(step, {"loss": eval_losses[step]}, prefix="eval/")
+            logger.log(step, {"loss": eval_losses[step], "perplexity": math.exp(min(eval_losses[step], 50))},
+                       prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
-        if rank == 0 and (step % cfg.log_every == 0 or step in (1, cfg.steps)):
+        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps)):
             bar.write(metrics.format_step_line(step, cfg.steps, values))
     if prof is not None:
         prof.stop()
     bar.close()
+    ckpt.close()
+    # Hook for a generated sample (issue #14, pm.generate): with a token store, `data.prompt()` gives a
+    # held-out prompt's ids and the store's tokenizer to decode the continuation with.
     if cfg.export_hf:
         pm.save_hf_checkpoint(cfg.export_hf)
     logger.close()
@@ -301,26 +362,38 @@ def train(run: RunConfig) -> dict[str, float]:
         return {}
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
-               "total_s": sum(times), "eval_losses": eval_losses}
+               "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
+               "run_id": ckpt.run_id, "data_wait_s": sum(waits)}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
         memory = f"peak memory {mem / 2**30:.3g} GiB ({mem_label})"
-        held_out = f" | held-out loss {eval_losses[max(eval_losses)]:.4f}" if eval_losses else ""
+        last_eval = eval_losses[max(eval_losses)] if eval_losses else None
+        held_out = f" | held-out loss {last_eval:.4f} (perplexity {math.exp(min(last_eval, 50)):.2f})" if eval_losses else ""
         if predicted and mem_label.startswith("cuda"):
             memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
         elif predicted:  # RSS also holds the interpreter and libraries: no ratio to tensor bytes
             memory += f"; the estimator predicts {predicted / 2**30:.3g} GiB of tensors"
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
-              f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, floor ln({run.data.branching}) = "
-              f"{math.log(run.data.branching):.4f}){held_out} | median step {summary['median_step_s']:.3f}s | {memory} | "
+              f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
+              f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
+              f"{memory} | "
               f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
     return summary
 
 
+def _warn_once() -> None:
+    """Library warnings (torch, transformers) from rank 0 only: every rank would print the same ones."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        warnings.simplefilter("ignore")
+        hf_logging.set_verbosity_error()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _warn_once()
     try:
+        preflight.check_config_file(args.config)
         run = apply_cli(load_config(args.config), args)
         train(run)
     except ValueError as err:  # meshkit's PlanError included: a user error, not a crash

@@ -128,7 +128,7 @@ def hf_stages(model: nn.Module, pp: int, v: int, rank: int) -> dict[int, nn.Modu
     """This rank's stages of `model` split into pp*v stages by meshkit (embedding and head count as layers)."""
     parts = llama.parts(model)
     ranges = pp_split.split_layers(len(parts.blocks), pp * v)
-    ids = pp_split.stages_of_rank(rank, pp, v)
+    ids = pp_split.stages_of_rank(rank, [s % pp for s in range(pp * v)])
     return {s: WithPositions(m) for s, m in build_stages(parts, parts.blocks, ranges, ids).items()}
 
 
@@ -265,7 +265,7 @@ def sleep_section(spec: dict) -> dict[str, Any]:
 
     def make_modules(v: int) -> dict[int, nn.Module]:
         costs = [c / 1000 / v for c in spec["costs_ms"]]  # a rank's work per microbatch is split over its v stages
-        return {s: SleepStage(dim, costs) for s in pp_split.stages_of_rank(rank, pp, v)}
+        return {s: SleepStage(dim, costs) for s in pp_split.stages_of_rank(rank, [s % pp for s in range(pp * v)])}
 
     variants = []
     for name, v in spec["schedules"]:

@@ -6,7 +6,7 @@ function there. Everything it needs arrives as keywords HF passes through its bl
 by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
 
 - `meshkit_context_parallel`: a `ContextParallelAttention`, how the sequence is split (ring,
-  zig-zag ring, Ulysses, USP); absent when cp = 1;
+  zig-zag ring, all-gather K/V, Ulysses, USP); absent when cp = 1;
 - `meshkit_doc_ids`: the document ids of the local shard of packed sequences; absent for one
   document per row.
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshkit.context_parallel.allgather import allgather_attention
 from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import attention_block
 from meshkit.context_parallel.masked import has_quirks, quirk_attention
@@ -37,13 +38,18 @@ DOC_IDS_KWARG = "meshkit_doc_ids"
 
 @dataclass
 class ContextParallelAttention:
-    """How one attention layer's sequence is split; `kind` None means not split (cp = 1)."""
+    """How one attention layer's sequence is split; `kind` None means not split (cp = 1).
+
+    `ulysses_group` and `ring_group` make it 2D: Ulysses inside, and outside the ring ("usp") or the
+    K/V all-gather ("allgather" with cp_ulysses > 1). `grad_dtype` is the dtype dK/dV travel in.
+    """
 
     kind: str | None = None
     layout: str = "contiguous"
     group: object = None
     ulysses_group: object = None
     ring_group: object = None
+    grad_dtype: torch.dtype | None = None
 
     def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None,
                  quirks: dict | None = None) -> torch.Tensor:
@@ -51,13 +57,19 @@ class ContextParallelAttention:
             return self._with_quirks(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks)
         if self.kind in ("ring", "zigzag"):
             return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
-                                  scale=scale, doc_ids_BS=doc_ids_BS)
+                                  scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)
+        if self.kind == "allgather" and self.ulysses_group is None:
+            return allgather_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
+                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)
         if self.kind == "ulysses":
             return ulysses_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
                                      doc_ids_BS=doc_ids_BS)
-        if self.kind == "usp":
+        if self.kind in ("usp", "allgather"):
             return usp_attention(q_BHSD, k_BHSD, v_BHSD, self.ulysses_group, self.ring_group, causal=True,
-                                 layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS)
+                                 layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS,
+                                 outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype)
+        if k_BHSD.shape[2] != q_BHSD.shape[2]:
+            return _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
         if doc_ids_BS is not None:
             out, _ = attention_block(q_BHSD, k_BHSD, v_BHSD, causal_kind="causal", scale=scale,
                                      q_doc_BS=doc_ids_BS, kv_doc_BS=doc_ids_BS)
@@ -69,7 +81,7 @@ class ContextParallelAttention:
         """The whole sequence's length, from the local shard's (every kind splits it evenly)."""
         if self.kind is None:
             return local_len
-        if self.kind == "usp":
+        if self.ulysses_group is not None:  # usp, or allgather with a Ulysses inner axis
             return local_len * dist.get_world_size(as_group(self.ulysses_group)) * dist.get_world_size(
                 as_group(self.ring_group))
         return local_len * dist.get_world_size(as_group(self.group))
@@ -96,6 +108,22 @@ class ContextParallelAttention:
         return heads_to_seq(out_h, group)
 
 
+def _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS) -> torch.Tensor:
+    """Queries that are the LAST positions of a longer key sequence (decoding with a KV cache).
+
+    SDPA's `is_causal` aligns the mask top-left when the lengths differ, which would hide the cached
+    keys from the new queries; the mask here is aligned bottom-right: query i sees keys up to
+    i + (keys - queries). Packed documents never reach a cache (generation runs one document a row).
+    """
+    if doc_ids_BS is not None:
+        raise ValueError("meshkit attention: packed documents (position_ids restarting) cannot use a KV cache")
+    sq, sk = q_BHSD.shape[2], k_BHSD.shape[2]
+    rows = torch.arange(sq, device=q_BHSD.device).unsqueeze(1) + (sk - sq)
+    mask_QK = torch.arange(sk, device=q_BHSD.device).unsqueeze(0) <= rows
+    return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_QK, scale=scale,
+                                          enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
+
+
 def meshkit_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The function transformers calls: [B, H, S, D] in, ([B, S, H, D], None) out, causal, no mask tensor."""
     if dropout:
@@ -105,7 +133,7 @@ def meshkit_attention(module, query, key, value, attention_mask, dropout: float 
     split = kwargs.get(CONTEXT_PARALLEL_KWARG) or ContextParallelAttention()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    if window and window >= split.full_length(query.shape[2]):
+    if window and window >= split.full_length(key.shape[2]):
         window = None  # every key is inside the window: plain causal attention
     quirks = None
     if has_quirks(window, softcap, sinks):

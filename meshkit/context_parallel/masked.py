@@ -27,16 +27,21 @@ import torch
 def quirk_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *, scale: float,
                     doc_ids_BS: torch.Tensor | None = None, sliding_window: int | None = None,
                     softcap: float | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention over whole sequences with the quirks above; [B, H, S, D] in and out."""
+    """Causal attention over whole sequences with the quirks above; [B, H, S, D] in and out.
+
+    Keys longer than queries (decoding with a KV cache) align bottom-right: the queries are the last
+    positions of the key sequence.
+    """
     B, H, S, D = q_BHSD.shape
+    Sk = k_BHSD.shape[2]
     rep = H // k_BHSD.shape[1]
     k = k_BHSD.repeat_interleave(rep, dim=1) if rep > 1 else k_BHSD
     v = v_BHSD.repeat_interleave(rep, dim=1) if rep > 1 else v_BHSD
     s_BHSS = torch.matmul(q_BHSD, k.transpose(-1, -2)) * scale
     if softcap:
         s_BHSS = torch.tanh(s_BHSS / softcap) * softcap
-    pos = torch.arange(S, device=q_BHSD.device)
-    diff_SS = pos[:, None] - pos[None, :]
+    pos_k = torch.arange(Sk, device=q_BHSD.device)
+    diff_SS = (pos_k[Sk - S:])[:, None] - pos_k[None, :]
     keep = diff_SS >= 0
     if sliding_window:
         keep = keep & (diff_SS < sliding_window)
@@ -50,7 +55,7 @@ def quirk_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
     # Every row keeps at least its diagonal, so no row is empty.
     p_BHSS = torch.softmax(s_BHSS.float(), dim=-1).to(q_BHSD.dtype)
     if sinks_H is not None:
-        p_BHSS = p_BHSS[..., :S]
+        p_BHSS = p_BHSS[..., :Sk]
     return torch.matmul(p_BHSS, v)
 
 

@@ -10,10 +10,12 @@ cp-1 exchanges in total.
 
 Backward: only the local q, k, v and the final out and lse are saved. K/V go round the ring again;
 every block is differentiated against the FINAL out and lse (so its gradient is its exact share of
-the global softmax), dQ accumulates locally, and the dK/dV of the block in hand accumulate in an fp32
+the global softmax), dQ accumulates locally, and the dK/dV of the block in hand accumulate in a
 buffer that travels with it and arrives at the owner after the last step (cp-1 K/V exchanges plus cp
-dK/dV exchanges). Restarting the backward ring from the last K/V block of the forward would save one
-transfer but costs keeping that block alive between forward and backward; we keep memory minimal.
+dK/dV exchanges). The dK/dV buffer is sent in `grad_dtype` (the plan's reduce_dtype, fp32 by
+default) and every rank adds its share in fp32 after receiving. Restarting the backward ring from the
+last K/V block of the forward would save one transfer but costs keeping that block alive between
+forward and backward; we keep memory minimal (`allgather.py` is the bytes-first kind).
 
 Which blocks are computed, and how, is decided by `ring_schedule` alone, which the work counter
 `score_elements` shares, so the balance test checks the schedule that actually runs:
@@ -160,7 +162,7 @@ def _gather_docs(doc_BS: torch.Tensor | None, group: dist.ProcessGroup, size: in
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend, grad_dtype):
         ring = _Ring(group)
         plan = ring_schedule(layout, causal, ring.size, ring.rank)
         docs = _gather_docs(doc_BS, group, ring.size)
@@ -182,16 +184,17 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring.wait(pending)
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out, lse_BHS)
-        ctx.opts = (group, plan, scale, backend, docs, doc_BS)
+        ctx.opts = (group, plan, scale, backend, docs, doc_BS, grad_dtype)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_BHSD):
         q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS = ctx.saved_tensors
-        group, plan, scale, backend, docs, doc_BS = ctx.opts
+        group, plan, scale, backend, docs, doc_BS, grad_dtype = ctx.opts
         ring = _Ring(group)
         acc = acc_dtype(q_BHSD.dtype)
+        wire = grad_dtype or acc  # dK/dV travel in the reduce dtype; every rank adds in fp32
         dq_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         kv = torch.stack([k_BHSD, v_BHSD])
         dkv_pending = None
@@ -211,18 +214,18 @@ class _RingAttention(torch.autograd.Function):
                 _half(own[0], blk.kv_half, 2).add_(dk_i)
                 _half(own[1], blk.kv_half, 2).add_(dv_i)
             if dkv_pending is not None:  # what the ranks before us accumulated for this block
-                own.add_(ring.wait(dkv_pending))
+                own.add_(ring.wait(dkv_pending).to(acc))
             if ring.size == 1:
                 dkv_pending = None
                 break
-            dkv_pending = ring.post(own, _DKV_TAG)
+            dkv_pending = ring.post(own.to(wire), _DKV_TAG)
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
         # After a full turn the buffer arriving from our predecessor is our own block's gradient.
         dkv = own if dkv_pending is None else ring.wait(dkv_pending)
         return (
             dq_BHSD.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -244,12 +247,15 @@ def ring_attention(
     doc_ids_BS: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of the local query shard against the whole (sharded) sequence; returns local out.
 
     q_BHSD / k_BHSD / v_BHSD: this rank's shard (sharding.shard with the same `layout`), K/V with their
     own (GQA) head count, never repeated. doc_ids_BS: this rank's shard of `sharding.document_ids` for
-    packed sequences (block-diagonal masking), or None.
+    packed sequences (block-diagonal masking), or None. grad_dtype: the dtype the travelling dK/dV
+    buffers are sent in (None: fp32; bf16 halves the backward's gradient bytes); each rank still adds
+    its block's share in fp32.
     """
     if dropout_p:
         raise ValueError(
@@ -273,4 +279,5 @@ def ring_attention(
     scale = default_scale(q_BHSD.shape[-1]) if scale is None else float(scale)
     if doc_ids_BS is not None:
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
-    return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, layout, causal, scale, doc_ids_BS, backend)
+    return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, layout, causal, scale, doc_ids_BS, backend,
+                                grad_dtype)

@@ -1,4 +1,4 @@
-"""2D context parallelism (USP): Ulysses inside, zig-zag ring outside.
+"""2D context parallelism (USP): Ulysses inside, zig-zag ring (or all-gather K/V) outside.
 
 The cp group of size R*U is viewed as R ring ranks of U Ulysses ranks each; cp rank = ring_rank*U +
 ulysses_rank (Ulysses innermost, on the fastest links, since its all-to-alls are latency-bound and
@@ -10,6 +10,10 @@ all-to-all then reassembles a ring rank's full zig-zag piece for H/U heads, the 
 ring ranks exactly as in ring.py (zig-zag defined over the ring degree only), and a second
 all-to-all brings the output back to the sequence shard.
 
+The outer kind is the zig-zag ring by default; `outer="allgather"` gathers the ring ranks' K/V
+instead (allgather.py, same zig-zag layout over the outer degree): `Plan(cp_attention="allgather",
+cp_ulysses=U)`.
+
 Head rule: q heads divisible by U (K/V heads replicated by Ulysses only as far as needed).
 """
 
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshkit.context_parallel.allgather import allgather_attention
 from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.ring import ring_attention
 from meshkit.context_parallel.sharding import Layout
@@ -52,17 +57,30 @@ def usp_attention(
     doc_ids_BS: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    outer: str = "ring",
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Local out shard of 2D (Ulysses x ring) attention; inputs sharded with `ulysses=U`."""
+    """Local out shard of 2D (Ulysses x ring) attention; inputs sharded with `ulysses=U`.
+
+    outer: "ring" (zig-zag ring over the outer ranks) or "allgather" (K/V gathered over them).
+    grad_dtype: the dtype the outer kind sends dK/dV in (None: fp32).
+    """
+    if outer not in ("ring", "allgather"):
+        raise ValueError(f"outer={outer!r}: USP's outer kind is 'ring' or 'allgather'")
+    if outer == "allgather" and layout != "zigzag":
+        raise ValueError(f"outer='allgather' needs the zigzag layout, got layout={layout!r}")
     if dropout_p:
         raise ValueError(
             f"attention dropout_p={dropout_p} is not supported under context parallelism; set the "
             "model's attention_dropout to 0"
         )
-    inner, outer = as_group(ulysses_group), as_group(ring_group)
+    inner, outer_group = as_group(ulysses_group), as_group(ring_group)
     q_h, k_h, v_h = scatter_heads(q_BHSD, k_BHSD, v_BHSD, inner)
-    out_h = ring_attention(
-        q_h, k_h, v_h, outer, causal=causal, layout=layout, scale=scale,
-        doc_ids_BS=gather_seq(doc_ids_BS, inner), backend=backend,
-    )
+    docs = gather_seq(doc_ids_BS, inner)
+    if outer == "allgather":
+        out_h = allgather_attention(q_h, k_h, v_h, outer_group, causal=causal, scale=scale, doc_ids_BS=docs,
+                                    backend=backend, grad_dtype=grad_dtype)
+    else:
+        out_h = ring_attention(q_h, k_h, v_h, outer_group, causal=causal, layout=layout, scale=scale,
+                               doc_ids_BS=docs, backend=backend, grad_dtype=grad_dtype)
     return heads_to_seq(out_h, inner)

@@ -29,6 +29,7 @@ from meshkit.estimate import moe
 from meshkit.estimate.spec import ModelState, ParamSpec, Workload, config_from_key, config_key, dtype_bytes
 from meshkit.models import llama
 from meshkit.models.moe import convert_moe_blocks, moe_spec
+from meshkit.pipeline.schedules import stage_placement
 from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
 
@@ -36,9 +37,10 @@ from meshkit.plan import Plan
 def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
     """Blocks of each of a rank's stages, per pipeline rank, from meshkit's own split (the embedding
     and the head count as a layer each, so the first and last stages get fewer blocks)."""
-    v = plan.pp_virtual_stages if plan.pp > 1 else 1
+    v = plan.pp_stages_per_rank if plan.pp > 1 else 1
     ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
-    return [[len(ranges[s]) for s in stages_of_rank(r, plan.pp, v)] for r in range(plan.pp)]
+    placement = stage_placement(plan.pp_schedule, plan.pp, v) if plan.pp > 1 else (0,)
+    return [[len(ranges[s]) for s in stages_of_rank(r, placement)] for r in range(plan.pp)]
 
 
 # -------------------------------------------------------------------------------- model state

@@ -54,13 +54,10 @@ class Candidate:
         return family(self.plan)
 
     def describe(self) -> str:
-        """One line: degrees, AC mode, microbatching."""
+        """One line: the plan as `Plan.from_string` reads it (paste it into `--plan` or a recipe), then
+        the microbatch size and count the estimate assumed."""
         w = self.workload
-        text = f"{self.plan.describe()} ac={self.plan.activation_checkpointing} mbs={w.mbs} m={w.microbatches}"
-        if self.plan.pp > 1:
-            v = self.plan.pp_virtual_stages
-            text += f" {self.plan.pp_schedule}" + (f"(v={v})" if v > 1 else "")
-        return text
+        return f"{self.plan.to_string() or 'single device'}  (mbs={w.mbs}, m={w.microbatches})"
 
 
 @dataclass
@@ -70,6 +67,7 @@ class SearchResult:
     rejected: dict[str, str]         # family -> why none of its plans was returned
     considered: int = 0
     best_by_family: dict[str, Candidate] = field(default_factory=dict)
+    removed: dict[str, int] = field(default_factory=dict)  # degree combinations no layout survived, by reason
 
 
 def family(plan: Plan) -> str:
@@ -86,15 +84,26 @@ def _powers(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
-def layouts(config: Any, world: int, seq: int, device: Device) -> list[Plan]:
-    """Degree combinations worth estimating: tp inside a node, pp up to the layer count, cp while
-    sequences stay long; what is left of the world is data parallel, sharded or replicated. For an
-    MoE model every ep dividing both dp_shard x cp (where meshkit folds it) and the expert count."""
+CP_MIN_SHARD = 512  # tokens per context shard below which cp is not tried
+
+
+def layouts(config: Any, world: int, seq: int, device: Device, removed: dict[str, int] | None = None) -> list[Plan]:
+    """Degree combinations worth estimating: tp inside a node, pp up to the layer count, cp > 1 while
+    each shard keeps CP_MIN_SHARD tokens; what is left of the world is data parallel, sharded or
+    replicated. For an MoE model every ep dividing both dp_shard x cp (where meshkit folds it) and the
+    expert count. `removed` counts the combinations each rule dropped, for an empty answer's reason."""
     experts = moe.require_supported(config)
+    removed = {} if removed is None else removed
     out = []
     for tp, pp, cp in itertools.product(_powers(device.gpus_per_node), _powers(config.num_hidden_layers),
                                         _powers(8)):
-        if world % (tp * pp * cp) or seq // cp < 512:
+        if world % (tp * pp * cp):
+            why = f"tp x pp x cp does not divide world={world} (tp <= {device.gpus_per_node} per node, powers of 2)"
+            removed[why] = removed.get(why, 0) + 1
+            continue
+        if cp > 1 and seq // cp < CP_MIN_SHARD:
+            why = f"cp > 1 leaves fewer than {CP_MIN_SHARD} tokens per context shard at seq {seq}"
+            removed[why] = removed.get(why, 0) + 1
             continue
         dp = world // (tp * pp * cp)
         for rep in _powers(dp):
@@ -115,7 +124,8 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     best: dict[str, tuple[float, str]] = {}  # family -> (smallest peak, description) among plans that ran
     reasons: dict[str, str] = {}
     considered = 0
-    for layout in layouts(config, world, seq, device):
+    removed: dict[str, int] = {}
+    for layout in layouts(config, world, seq, device, removed):
         base = dataclasses.replace(layout, param_dtype=param_dtype)
         fam = family(base)
         try:
@@ -167,7 +177,7 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     for fam, why in reasons.items():
         if fam not in by_family and fam not in rejected:
             rejected[fam] = why
-    return SearchResult(fits[:top], rejected, considered, by_family)
+    return SearchResult(fits[:top], rejected, considered, by_family, removed)
 
 
 def _dominant(e: Estimate) -> str:
@@ -198,6 +208,10 @@ def render(result: SearchResult, limit: float, world: int) -> str:
         lines.append("\nfamilies with no plan returned:")
         for fam, why in sorted(result.rejected.items()):
             lines.append(f"  {fam:<16} {why}")
+    if not result.plans and not result.rejected:
+        lines.append("\nno layout was estimated: " + ("; ".join(
+            f"{why} ({n} degree combination{'s' if n > 1 else ''})" for why, n in sorted(result.removed.items()))
+            or f"no degree combination for world={world}"))
     return "\n".join(lines)
 
 

@@ -130,6 +130,7 @@ class MoE(nn.Module):
         self.init_std = init_std
         self.aux_loss_scale = 1.0  # gradient multiplier of the attached aux losses (e.g. 1/microbatches)
         self.keep_router_stats = False  # store `router_stats` for `pop_router_stats` (HF's convention)
+        self.measure_balance = False  # compute the balancing statistics without a graph too (evaluation)
         self.ep_group: ProcessGroup | None = None
         self.load_group: ProcessGroup | None = None
 
@@ -153,6 +154,7 @@ class MoE(nn.Module):
         self.replays = 0  # recomputes that reused the forward's routing
         self.reroutes = 0  # recomputes that found no record and routed again (reentrant AC under no_grad)
         self.aux_loss: Tensor | None = None
+        self.aux_loss_total: Tensor | None = None  # sum of aux_loss * aux_loss_scale until reset: as trained
         self.router_stats: RouterStats | None = None
         self._records: deque[weakref.ref[_Routing]] = deque()
         if device is None or torch.device(device).type != "meta":
@@ -232,7 +234,7 @@ class MoE(nn.Module):
         x_TH = x.reshape(-1, self.hidden_size)
         logits_TE = F.linear(x_TH.float(), local_tensor(self.gate.weight).float())
         recompute = in_backward()
-        stats_needed = self.training and torch.is_grad_enabled() and (
+        stats_needed = (self.training and torch.is_grad_enabled() or self.measure_balance) and (
             self.aux_loss_coef > 0 or self.z_loss_coef > 0 or self.keep_router_stats)
         routing = self._pop_record(x_TH.shape[0]) if recompute else None
         replayed = routing is not None
@@ -294,6 +296,9 @@ class MoE(nn.Module):
         if not recompute:
             self.router_stats = stats if self.keep_router_stats else None
             self.aux_loss = None if aux is None else aux.detach()
+            if aux is not None:
+                weighted = self.aux_loss * self.aux_loss_scale
+                self.aux_loss_total = weighted if self.aux_loss_total is None else self.aux_loss_total + weighted
         if aux is not None:
             out_TH = AttachLoss.apply(out_TH, aux, self.aux_loss_scale)
         return out_TH

@@ -10,6 +10,7 @@ meshkit MoE layers first) share these names.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -165,7 +166,7 @@ def sliding_window_in_effect(config) -> int | None:
     return int(window)
 
 
-RING_KINDS = ("ring", "zigzag", "usp")
+RING_KINDS = ("ring", "zigzag", "allgather", "usp")  # the kinds that run the plain causal kernel on blocks
 
 
 def check_config(config, seq_len: int | None, cp_attention: str | None = None) -> list[str]:
@@ -217,6 +218,12 @@ def run_block(block: nn.Module, hidden, position_embeddings, position_ids, **att
     out = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
                 **attention_kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def cache_keyword(block: nn.Module) -> str:
+    """The keyword an HF decoder block takes its KV cache under: transformers renamed
+    `past_key_values` to `cache` (5.2x keeps the old name as a deprecated alias, older 5.x lack the new one)."""
+    return "cache" if "cache" in inspect.signature(type(block).forward).parameters else "past_key_values"
 
 
 def reset_rotary(rotary: nn.Module, device: torch.device) -> None:

@@ -38,8 +38,10 @@ class CausalLMStage(nn.Module):
         lm_head: nn.Module | None = None,
         context_parallel: ContextParallelAttention | None = None,
         quirks: quirks_lib.OuterQuirks | None = None,
+        cache_keyword: str = "cache",
     ):
         super().__init__()
+        self.cache_keyword = cache_keyword
         self.embed = embed
         self.layers = nn.ModuleDict({str(i): block for i, block in blocks.items()})
         self.norm = norm
@@ -48,14 +50,21 @@ class CausalLMStage(nn.Module):
         self.context_parallel = context_parallel
         self.quirks = quirks or quirks_lib.OuterQuirks()
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids or hidden states in; logits (last stage) or hidden states out."""
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """Token ids or hidden states in; logits (last stage) or hidden states out.
+
+        `cache` (generation only) is an object with HF's `update(key, value, layer_idx, ...)` that
+        every attention layer hands its new keys and values to and takes the whole sequence's back.
+        """
         quirks = self.quirks
         hidden = quirks_lib.scale_embeddings(self.embed(inputs), quirks) if self.embed is not None else inputs
         rope = quirks_lib.position_embeddings(self.rotary, hidden, position_ids, quirks)
         extra = {DOC_IDS_KWARG: doc_ids} if doc_ids is not None else {}
         if self.context_parallel is not None:
             extra[CONTEXT_PARALLEL_KWARG] = self.context_parallel
+        if cache is not None:
+            extra[self.cache_keyword] = cache
         for index, block in self.layers.items():
             hidden = llama.run_block(block, hidden, rope[quirks_lib.layer_type(quirks, int(index))], position_ids,
                                      **extra)
@@ -85,6 +94,7 @@ def build_stages(
             lm_head=parts.lm_head if s == last else None,
             context_parallel=context_parallel,
             quirks=parts.quirks,
+            cache_keyword=llama.cache_keyword(parts.blocks[0]) if parts.blocks else "cache",
         )
         for s in stage_ids
     }

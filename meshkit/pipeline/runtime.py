@@ -32,10 +32,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat import fsdp_post_backward
+from meshkit.data_parallel import reshard_fsdp
+from meshkit.pipeline.actions import Action, ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
-from meshkit.pipeline.schedules import Action, ActionKind, Schedule
 from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
+from meshkit.zero.stages import fsdp_roots
 
 __all__ = ["LossFn", "Shapes", "TensorMeta", "run_schedule"]
 
@@ -58,6 +60,8 @@ def run_schedule(
     shapes: Shapes | None = None,
     stage_kwargs: Sequence[Mapping[str, Any]] | None = None,
     device: torch.device | str | None = None,
+    reduce_grads: bool = True,
+    reshard: bool = True,
 ) -> list[torch.Tensor]:
     """Run this rank's actions of `schedule`; return the detached per-microbatch losses (last stage only).
 
@@ -77,7 +81,8 @@ def run_schedule(
     run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device)
     actions = schedule.ranks[rank]
     splits = any(a.kind is K.W for a in actions)
-    fsdp = contextlib.nullcontext() if schedule.forward_only else _fsdp_reduce_once(list(stages.values()))
+    fsdp = (contextlib.nullcontext() if schedule.forward_only else
+            _fsdp_reduce_once(list(stages.values()), reduce_grads=reduce_grads, reshard=reshard))
     with fsdp, (
         deferrable_linears(stages.values()) if splits else contextlib.nullcontext()
     ):
@@ -273,36 +278,26 @@ def _validate(schedule, rank, world, stages, microbatch_inputs, loss_fn, shapes,
 # ---------------------------------------------------------------------------------------------- FSDP2
 
 
-def _fsdp_roots(stages: list[nn.Module]) -> list[nn.Module]:
-    """The outermost FSDP2 modules inside the stages (each carries its nested units' state)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    roots: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if isinstance(module, FSDPModule):
-            roots.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    for stage in stages:
-        visit(stage)
-    return roots
-
-
 @contextlib.contextmanager
-def _fsdp_reduce_once(stages: list[nn.Module]) -> Iterator[None]:
-    roots = _fsdp_roots(stages)
+def _fsdp_reduce_once(stages: list[nn.Module], *, reduce_grads: bool, reshard: bool) -> Iterator[None]:
+    """Accumulate unsharded gradients over the schedule's microbatches and reduce them once at its
+    end (`reduce_grads`; off: a later call of the accumulation window reduces them), resharding the
+    gathered parameters afterwards if `reshard` (off: ZeRO-1/2 keep them for the window's next call)."""
+    roots = fsdp_roots(stages)
     for root in roots:
         root.set_requires_gradient_sync(False)
         root.set_reshard_after_backward(False)
         root.set_is_last_backward(False)
     yield  # on an exception the ranks disagree anyway; the flags stay off rather than reduce garbage
     for root in roots:
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(reshard)
+        if reduce_grads:
+            root.set_requires_gradient_sync(True)
+            fsdp_post_backward(root)
+        elif reshard:
+            reshard_fsdp(root)
         root.set_requires_gradient_sync(True)
         root.set_reshard_after_backward(True)
-        root.set_is_last_backward(True)
-        fsdp_post_backward(root)
 
 

@@ -2,8 +2,9 @@
 
 The embedding and the norm + LM head are counted as one layer each when balancing, so the first and
 last stages get fewer decoder blocks (they also run the embedding lookup and the vocabulary
-projection, the costliest single matmul of a small model). With `v` virtual stages per rank, stage
-`s` of `pp * v` lives on rank `s % pp` (the interleaved layout the schedules assume).
+projection, the costliest single matmul of a small model). Which rank holds which stage is the
+schedule's placement (`schedules.stage_placement`): `s % pp` for interleaved 1F1B, the V for ZB-V and
+DualPipeV (stages r and 2p-1-r on rank r, so the first and the last stage both live on rank 0).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def split_layers(num_layers: int, num_stages: int, boundaries: Sequence[int] | N
     return ranges
 
 
-def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """Global stage indices held by `pp_rank`, in execution order."""
-    return [pp_rank + pp * v for v in range(virtual)]
+def stages_of_rank(pp_rank: int, placement: Sequence[int]) -> list[int]:
+    """Global stage indices held by `pp_rank` under `placement` (stage -> rank), in model order."""
+    return [s for s, rank in enumerate(placement) if rank == pp_rank]
 
 
 def modules_held(parts: llama.CausalLMParts, ranges: Sequence[range], stage_ids: Sequence[int]) -> list[nn.Module]:

@@ -12,8 +12,14 @@ survives every plan is the HF parameter name, so every item is keyed by it:
 - `optim.state.<hf name>.<key>`: the optimizer state of that parameter (AdamW: `exp_avg`,
   `exp_avg_sq`, DTensors placed like their parameter, and the scalar `step`).
 - `optim.param_groups` (hyperparameters, the current `lr` included), `scheduler`, `meshkit` (step,
-  `extra`, plan, world size, format version): pickled objects written once, by rank 0.
+  `extra`, the data loader's state, plan, world size, format version): pickled objects written once,
+  by rank 0. A `meshkit.data.PackedLoader`'s state is the same on every rank and independent of the
+  plan (its position is a global sample index), so one copy resumes any dp size.
 - `rng.rank<r>`: every rank's torch CPU (and CUDA) generator state, written by that rank.
+
+Saving is atomic (`atomic`: a hidden temporary directory renamed once complete) and every checkpoint
+carries a manifest with a checksum per file (`manifest`); `latest` resumes from the newest one that
+verifies (`retention`).
 
 A load validates the checkpoint's metadata against the model on every rank before the first
 collective, so a wrong checkpoint raises the same ValueError everywhere instead of hanging in DCP.
@@ -24,7 +30,6 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,15 +38,18 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
+from meshkit.state import atomic, manifest, retention
+from meshkit.state.manifest import step_dir
 from meshkit.state.names import held_buffers, is_meshkit_only, persistent_tensors
-from meshkit.step.consensus import brief
+from meshkit.step.consensus import brief, raise_if_any
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
 
-__all__ = ["FORMAT_VERSION", "is_checkpoint", "latest", "load", "save", "step_dir"]
+__all__ = ["FORMAT_VERSION", "is_checkpoint", "latest", "load", "save", "step_dir", "verify"]
 
 FORMAT_VERSION = 1
 MODEL = "model."
@@ -54,39 +62,87 @@ _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *,
-         scheduler: Any = None, step: int = 0, extra: Any = None) -> None:
+         scheduler: Any = None, step: int = 0, extra: Any = None, run_id: str | None = None,
+         global_batch: int | None = None, data: Any = None) -> str:
     """Write a checkpoint of model, optimizer, scheduler, step, `extra` and RNG states to directory `path`.
 
-    Collective: every rank calls it. `extra` (e.g. a data-loader position) is any picklable object and
-    is saved once, from rank 0, like `step`; per-rank data positions belong in a deterministic
-    function of (step, data rank), as in the recipe's loader.
+    Collective: every rank calls it. Atomic: the files go to a hidden temporary directory that is
+    renamed to `path` only after every rank's shards, DCP's metadata and the manifest (run id, step,
+    plan, `global_batch`, a checksum per file) are on disk, so `path` never holds half a checkpoint.
+    Refused (ValueError on every rank, nothing written) when `path` already holds files, or when any
+    parameter or optimizer state is non-finite. `extra` (e.g. a data-loader position) is any
+    picklable object saved once, from rank 0, like `step`. `data`: a loader with `state_dict()` (a
+    `meshkit.data.PackedLoader`), whose state is rank-independent by design and saved once too;
+    `load(..., data=loader)` restores it. Returns `path`.
+    """
+    state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id, data=data)
+    final, partial = atomic.begin(path)
+    dcp.save(state, checkpoint_id=partial, planner=save_planner())
+    atomic.publish_everywhere(partial, final, record(pm, step, run_id, global_batch))
+    return final
+
+
+def state_dict(pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None, step: int = 0,
+               extra: Any = None, run_id: str | None = None, data: Any = None) -> dict[str, Any]:
+    """What `save` hands DCP, keyed by HF names; refused when any tensor in it is non-finite.
+
+    The finiteness check is collective (one all-reduce): a NaN on one rank's shard must stop every
+    rank's save, or the others would wait in DCP for it.
     """
     state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm)}
     for name, param in _optimizer_params(pm, optimizer):
         for key, value in optimizer.state.get(param, {}).items():
             state[f"{OPTIM_STATE}{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+    raise_if_any(_non_finite(state, step))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:  # identical on every rank; one copy, so DCP never has to pick between ranks
         state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         if scheduler is not None:
             state[SCHEDULER] = scheduler.state_dict()
-        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra, "plan": pm.plan.to_dict(),
-                       "world_size": _world_size(), "torch": torch.__version__}
+        state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra,
+                       "data": None if data is None else data.state_dict(), "plan": pm.plan.to_dict(),
+                       "world_size": _world_size(), "torch": torch.__version__, "run_id": run_id}
     state[f"{RNG}{rank}"] = _rng_state()
-    dcp.save(state, checkpoint_id=path, planner=_save_planner())
+    return state
+
+
+def record(pm: ParallelModel, step: int, run_id: str | None, global_batch: int | None) -> dict[str, Any]:
+    """The manifest's description of a checkpoint (beside the per-file checksums)."""
+    return {"run_id": run_id, "step": int(step), "plan": pm.plan.to_dict(), "world_size": _world_size(),
+            "global_batch": global_batch, "torch": torch.__version__}
+
+
+def _non_finite(state: dict[str, Any], step: int) -> str | None:
+    bad = []
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                bad.append(key)
+    if not bad:
+        return None
+    return (f"step {step}: non-finite values in {len(bad)} tensor(s) ({brief(bad)}); the checkpoint was not "
+            "written, so the last one saved stays the newest")
 
 
 @torch.no_grad()
-def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None) -> dict[str, Any]:
+def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+         data: Any = None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` under any plan and world size; return its step and `extra`.
 
     Call on every rank after `parallelize` (a meta-device model is materialised here) and after the
     optimizer and scheduler are constructed as for a fresh run. Returns `{"step", "extra",
     "rng_restored"}`. RNG states are restored only when the world size and the plan equal the saved
-    ones (a rank's generator means nothing to a different layout). Raises ValueError on every rank,
-    before any collective, when the checkpoint does not fit the model or the optimizer.
+    ones (a rank's generator means nothing to a different layout). `data`: a loader saved with
+    `save(..., data=)`, repositioned at the saved point (its `state_problems` are checked with the
+    rest). Raises ValueError on every rank, before any collective, when the checkpoint does not fit the
+    model, the optimizer or the loader.
     """
     metadata = _read_metadata(path)
+    damaged = manifest.problems(path, checksums=False)  # sizes only: every rank reads its own bytes next
+    if damaged:
+        raise ValueError(f"checkpoint {path} is incomplete or damaged: {brief(damaged)}; fix: resume from an "
+                         "older checkpoint (meshkit.checkpoint.latest skips damaged ones)")
     entries = metadata.state_dict_metadata
     # The small pickled items first, each rank on its own (no_dist: no collective yet).
     small: dict[str, Any] = {k: None for k in (META, OPTIM_GROUPS, SCHEDULER) if k in entries}
@@ -104,6 +160,11 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
                         f"{len(optimizer.param_groups)}; fix: build the optimizer as the saving run did")
     if scheduler is not None and SCHEDULER not in small:
         problems.append("a scheduler was passed but the checkpoint holds no scheduler state; fix: scheduler=None")
+    if data is not None:
+        if info.get("data") is None:
+            problems.append("a data loader was passed but the checkpoint holds no loader state; fix: data=None")
+        else:
+            problems.extend(data.state_problems(info["data"]))
     _raise(path, problems)
 
     pm.materialise()
@@ -129,6 +190,8 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
         scheduler.load_state_dict(small[SCHEDULER])
     if rng_key in state:
         _set_rng_state(state[rng_key])
+    if data is not None:
+        data.load_state_dict(info["data"])
     return {"step": info["step"], "extra": info["extra"], "rng_restored": rng_key in state}
 
 
@@ -246,7 +309,7 @@ def _create_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) 
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _save_planner() -> DefaultSavePlanner:
+def save_planner() -> DefaultSavePlanner:
     # flatten_state_dict=False: the objects above are stored whole (one pickled item each) rather than
     # flattened into one DCP key per dict entry.
     return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -291,29 +354,21 @@ def _raise(path: str, problems: list[str]) -> None:
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether `path` holds a finished meshkit checkpoint (DCP writes its metadata file last)."""
-    try:
-        entries = FileSystemReader(path).read_metadata().state_dict_metadata
-    except (FileNotFoundError, NotADirectoryError, OSError):
-        return False
-    return isinstance(entries.get(META), BytesStorageMetadata)
+    """Whether `path` holds a complete meshkit checkpoint: manifest, metadata and every file of the
+    recorded size (checksums are left to `verify`, which reads every byte)."""
+    return not manifest.problems(path, checksums=False)
+
+
+def verify(path: str | os.PathLike) -> list[str]:
+    """Everything wrong with the checkpoint at `path` (empty: it loads as written); reads every file."""
+    return manifest.problems(path)
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The finished checkpoint under `root` with the highest step (a `step-<n>` subdirectory), `root`
-    itself if it is one, or None: what `--resume` resolves, so a run killed mid-save resumes from the
-    previous checkpoint."""
-    root = Path(root)
-    if is_checkpoint(root):
-        return str(root)
-    found = []
-    for child in root.glob("step-*") if root.is_dir() else ():
-        suffix = child.name[len("step-"):]
-        if suffix.isdigit() and is_checkpoint(child):
-            found.append((int(suffix), str(child)))
-    return max(found)[1] if found else None
-
-
-def step_dir(root: str | os.PathLike, step: int) -> str:
-    """Where the checkpoint of `step` goes under `root` (a fresh directory per save: never half-overwritten)."""
-    return str(Path(root) / f"step-{step:08d}")
+    """The newest checkpoint under `root` that verifies (a `step-<n>` subdirectory), `root` itself if
+    it is one, or None. Each newer checkpoint skipped is named in a warning with what was wrong, so
+    a run killed mid-save or a damaged file resumes from the previous checkpoint."""
+    found = retention.resolve(root)
+    for line in found.warnings():
+        warnings.warn(line, stacklevel=2)
+    return found.path

@@ -31,7 +31,9 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_gr
     """Norm of all gradients as one vector; `extra_groups` are process groups (e.g. pp) holding disjoint parameters."""
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    # The collectives' device: a DTensor's mesh names it even when host offload keeps the shards on the CPU.
+    meshes_of = [g.device_mesh.device_type for g in grads if isinstance(g, DTensor)]
+    device = torch.device(meshes_of[0]) if meshes_of else grads[0].device if grads else torch.device("cpu")
     is_inf = math.isinf(norm_type)
     buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     meshes = {}
@@ -50,6 +52,7 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_gr
             part = torch.stack([t.detach().abs().max().float() for t in local]).max()
         else:
             part = torch.stack([t.detach().float().norm(norm_type) ** norm_type for t in local]).sum()
+        part = part.to(device)
         if key != ("plain",):
             mesh = meshes[key]
             for dim in key[1]:

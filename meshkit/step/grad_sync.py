@@ -48,3 +48,40 @@ def summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGroup | N
                 p.grad = old
             else:
                 _local(p.grad).add_(_local(old))
+
+
+@contextlib.contextmanager
+def copies_summed_per_call(copies: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Around one forward/backward: every local copy of one weight ends with the sum of the call's
+    gradients of all of them (earlier accumulated gradients kept as they were).
+
+    The case of a tied embedding under a V-shaped pipeline: the first and the last stage are both on
+    pp rank 0, each with its own copy (they are different FSDP roots, which cannot share a
+    parameter), so the sum that `summed_per_call` makes over ranks is made here, without traffic.
+    The copies are sharded alike, so their local shards add up elementwise.
+    """
+    if len(copies) < 2:
+        yield
+        return
+    earlier = [p.grad for p in copies]
+    for p in copies:
+        p.grad = None
+    try:
+        yield
+        grads = [p.grad for p in copies if p.grad is not None]
+        if grads:
+            total = _local(grads[0]).clone()
+            for grad in grads[1:]:
+                total.add_(_local(grad))
+            for p in copies:
+                if p.grad is None:
+                    p.grad = grads[0].clone()
+                _local(p.grad).copy_(total)
+    finally:
+        for p, old in zip(copies, earlier):
+            if old is None:
+                continue
+            if p.grad is None:
+                p.grad = old
+            else:
+                _local(p.grad).add_(_local(old))

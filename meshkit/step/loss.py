@@ -8,12 +8,22 @@ averaged across ranks are wrong as soon as ranks hold different numbers of valid
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
+
+
+class LossParts(NamedTuple):
+    """A step's loss and its two terms, each detached and identical on every rank."""
+
+    loss: torch.Tensor  # ce + aux: what the gradients are of
+    ce: torch.Tensor  # the single-device cross-entropy of the global batch
+    aux: torch.Tensor  # router auxiliary terms as they entered the gradients (0 without any)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Context-parallel attention at the op level, against the single-process fp64 reference.
 
-Every sharded run (ring, zig-zag ring, Ulysses, USP) is compared with `reference_attention` on the
+Every sharded run (ring, zig-zag ring, all-gather K/V, Ulysses, USP) is compared with `reference_attention` on the
 full sequence in fp64: the output AND dq/dk/dv, compared in fp32 with one tolerance for every cp (the
 notes' ring-flash-attention #42: gradients break while outputs look fine). Ranks build their inputs
 from the case's seed, so only small results travel back.
@@ -18,7 +18,8 @@ import torch.distributed as tdist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshkit.context_parallel import kernels, ring, sharding
+from meshkit.context_parallel import allgather, kernels, ring, sharding
+from meshkit.context_parallel.allgather import allgather_attention, allgather_blocks
 from meshkit.context_parallel.kernels import attention_block, reference_attention
 from meshkit.context_parallel.ring import merge_, ring_attention, ring_schedule, score_elements
 from meshkit.context_parallel.ulysses import kv_replication, ulysses_attention
@@ -105,11 +106,47 @@ def _check_against_reference(
 # -- worker functions (module level: the pool pickles them by reference) ---------------------------
 
 
-def _ring_worker(case: Case, layout: str, dtype=torch.float32, backend: str = "auto"):
+def _ring_worker(case: Case, layout: str, dtype=torch.float32, backend: str = "auto", grad_dtype=None):
     leaves, qkv, dout, docs = _local(case, layout, tdist.get_rank(), dtype=dtype)
-    out = ring_attention(*qkv, causal=case.causal, layout=layout, doc_ids_BS=docs, backend=backend)
+    out = ring_attention(*qkv, causal=case.causal, layout=layout, doc_ids_BS=docs, backend=backend,
+                         grad_dtype=grad_dtype)
     assert out.dtype == dtype
     return _backward_and_pack(out, leaves, dout)
+
+
+def _allgather_worker(case: Case, dtype=torch.float32, grad_dtype=None):
+    leaves, qkv, dout, docs = _local(case, "zigzag", tdist.get_rank(), dtype=dtype)
+    out = allgather_attention(*qkv, causal=case.causal, doc_ids_BS=docs, grad_dtype=grad_dtype)
+    assert out.dtype == dtype
+    return _backward_and_pack(out, leaves, dout)
+
+
+def _counting_allgather_worker(case: Case):
+    """All-gather attention with its collectives and kernel calls recorded."""
+    leaves, qkv, dout, docs = _local(case, "zigzag", tdist.get_rank())
+    colls: list[tuple[str, int]] = []
+    kernel_calls: list[tuple[int, int, str]] = []
+    real_ag, real_rs, real_fwd = allgather.all_gather_single, allgather.reduce_scatter_single, allgather.attention_forward
+
+    def ag(out, inp, group):
+        colls.append(("all_gather", out.numel() * out.element_size()))
+        return real_ag(out, inp, group)
+
+    def rs(out, inp, group):
+        colls.append(("reduce_scatter", inp.numel() * inp.element_size()))
+        return real_rs(out, inp, group)
+
+    def fwd(q, k, v, **kw):
+        kernel_calls.append((q.shape[2], k.shape[2], kw["causal_kind"]))
+        return real_fwd(q, k, v, **kw)
+
+    with mock.patch.object(allgather, "all_gather_single", ag), mock.patch.object(
+        allgather, "reduce_scatter_single", rs
+    ), mock.patch.object(allgather, "attention_forward", fwd):
+        out = allgather_attention(*qkv, causal=case.causal, doc_ids_BS=docs)
+        n_forward = list(colls)
+        out.backward(dout)
+    return n_forward, colls[len(n_forward):], kernel_calls
 
 
 def _ulysses_worker(case: Case):
@@ -136,10 +173,10 @@ def _usp_groups(ulysses: int):
     return _USP_GROUPS[ulysses]
 
 
-def _usp_worker(case: Case, ulysses: int):
+def _usp_worker(case: Case, ulysses: int, outer_kind: str = "ring"):
     inner, outer = _usp_groups(ulysses)
     leaves, qkv, dout, docs = _local(case, "zigzag", tdist.get_rank(), ulysses)
-    out = usp_attention(*qkv, inner, outer, causal=case.causal, doc_ids_BS=docs)
+    out = usp_attention(*qkv, inner, outer, causal=case.causal, doc_ids_BS=docs, outer=outer_kind)
     return _backward_and_pack(out, leaves, dout)
 
 
@@ -178,6 +215,7 @@ def _bad_calls_worker():
         lambda: ring_attention(q[:, :, :3], kv[:, :, :3], kv[:, :, :3], layout="zigzag"),  # odd shard
         lambda: ring_attention(q, kv, kv, dropout_p=0.1),
         lambda: ring_attention(q, kv[:, :, :2], kv[:, :, :2]),
+        lambda: allgather_attention(q[:, :, :3], kv[:, :, :3], kv[:, :, :3]),  # odd shard
         lambda: sharding.shard(torch.zeros(1, 7), "zigzag", cp, 0),
     ):
         try:
@@ -402,6 +440,39 @@ def test_ring_matches_reference(dist, data, layout, backend):
 
 @settings(max_examples=15)
 @given(data=st.data())
+def test_allgather_matches_reference(dist, data):
+    case = data.draw(cases(layout="zigzag"))
+    _check_against_reference(case, dist(case.cp).run(_allgather_worker, case), "zigzag")
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_allgather_one_gather_one_reduce_scatter_and_balanced_work(dist, cp):
+    """Forward: one all-gather of [K; V] (plus nothing else); backward: one reduce-scatter of [dK; dV]
+    and no second gather; every rank computes the same scores (zig-zag balance)."""
+    case = Case(cp=cp, batch=1, heads=2, kv_heads=1, seq=4 * cp, head_dim=8, causal=True, docs=False, seed=3)
+    kv_bytes = 2 * case.batch * case.kv_heads * case.seq * case.head_dim * 4  # the gathered [K; V], fp32
+    for rank, (forward, backward, kernel_calls) in enumerate(dist(cp).run(_counting_allgather_worker, case)):
+        assert forward == [("all_gather", kv_bytes)]
+        assert backward == [("reduce_scatter", kv_bytes)]
+        c = case.seq // cp // 2
+        done = [sq * (sq + 1) // 2 if kind == "causal" else sq * sk for sq, sk, kind in kernel_calls]
+        # (2cp-1) full chunk-squares plus two causal diagonals: the same on every rank
+        assert sum(done) == (2 * cp - 1) * c * c + c * (c + 1), (rank, kernel_calls)
+        expected = [(q.stop - q.start, k.stop - k.start, kind) for q, k, kind in allgather_blocks(cp, rank, 2 * c, True)]
+        assert kernel_calls == expected
+
+
+def test_allgather_bf16_gradients_sent_in_bf16(dist):
+    """bf16 inputs with dK/dV reduce-scattered in bf16 (grad_dtype) and in fp32: both stay at bf16
+    rounding of the reference, since each rank sums its blocks in fp32 before the transfer."""
+    case = Case(cp=4, batch=1, heads=4, kv_heads=2, seq=64, head_dim=16, causal=True, docs=True, seed=5)
+    for grad_dtype in (torch.bfloat16, None):
+        results = dist(4).run(_allgather_worker, case, torch.bfloat16, grad_dtype)
+        _check_against_reference(case, results, "zigzag", atol=2e-2, rtol=2e-2, dtype=torch.bfloat16)
+
+
+@settings(max_examples=15)
+@given(data=st.data())
 def test_ulysses_matches_reference(dist, data):
     cp = data.draw(st.sampled_from([2, 3, 4]))
     case = data.draw(cases(layout="contiguous", ulysses_divides_heads=cp, cp=cp))
@@ -412,8 +483,9 @@ def test_ulysses_matches_reference(dist, data):
 @given(data=st.data())
 def test_usp_matches_reference(dist, data):
     cp, ulysses = data.draw(st.sampled_from([(4, 2), (4, 2), (2, 2), (3, 3), (4, 1), (3, 1)]))
+    outer = data.draw(st.sampled_from(["ring", "allgather"]))
     case = data.draw(cases(layout="zigzag", ulysses_divides_heads=ulysses, ulysses=ulysses, cp=cp))
-    _check_against_reference(case, dist(cp).run(_usp_worker, case, ulysses), "zigzag", ulysses)
+    _check_against_reference(case, dist(cp).run(_usp_worker, case, ulysses, outer), "zigzag", ulysses)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -432,11 +504,13 @@ def test_ring_collective_and_kernel_counts(dist, cp, layout):
         assert done == expected
 
 
-def test_ring_bf16_accumulates_in_fp32(dist):
-    """bf16 inputs: blocks merge and dK/dV travel in fp32, so the error stays at bf16 rounding of the
-    result (ring-flash-attention #42 broke gradients at ring 4-8 with bf16 partials)."""
+@pytest.mark.parametrize("grad_dtype", [None, torch.bfloat16])
+def test_ring_bf16_accumulates_in_fp32(dist, grad_dtype):
+    """bf16 inputs: blocks merge in fp32 and every rank adds its dK/dV share in fp32, whether the
+    buffer travels in fp32 (default) or bf16 (reduce_dtype=bfloat16), so the error stays at bf16
+    rounding of the result (ring-flash-attention #42 broke gradients at ring 4-8 with bf16 partials)."""
     case = Case(cp=4, batch=1, heads=4, kv_heads=2, seq=64, head_dim=16, causal=True, docs=False, seed=5)
-    results = dist(4).run(_ring_worker, case, "zigzag", torch.bfloat16)
+    results = dist(4).run(_ring_worker, case, "zigzag", torch.bfloat16, "auto", grad_dtype)
     _check_against_reference(case, results, "zigzag", atol=2e-2, rtol=2e-2, dtype=torch.bfloat16)
 
 
@@ -452,6 +526,6 @@ def test_misuse_raises_on_every_rank_before_any_collective(dist):
     results = dist(2).run(_bad_calls_worker)
     assert results[0] == results[1]
     expect = ["must divide the number of q heads", "multiple of 2*cp = 4", "dropout", "equal length",
-              "multiple of 4"]
+              "multiple of 2*cp = 4", "multiple of 4"]
     for message, fragment in zip(results[0], expect):
         assert fragment in message, (fragment, message)

@@ -143,3 +143,34 @@ def _odd_batch() -> None:
 def test_a_batch_that_does_not_split_into_microbatches(dist):
     for o in dist(2).run_raw(_odd_batch, timeout=30):
         assert isinstance(o.value, ValueError) and "pp_microbatches=4" in o.message, o
+
+
+# ZB-H2 and the V schedules through `parallelize`, one composition each (the runtime tests cover the
+# schedules' numerics at more depths). Under the V placement the last stage, and so the tied LM-head
+# copy, lives on pp rank 0 beside the embedding: the two copies' gradients are summed locally.
+MOE = ModelSpec(layers=4, experts=4, top_k=2, intermediate=16)
+
+
+@pytest.mark.parametrize(
+    "plan, world, model",
+    [
+        (_plan(2, "zb_v", 1, 4), 2, ModelSpec(tied=True, layers=4)),
+        (_plan(4, "zb_v", 1, 8), 4, ModelSpec(tied=True, layers=6)),
+        (_plan(2, "zb_v", 1, 4, "dp_shard=2,activation_checkpointing=full"), 4, ModelSpec(tied=True, layers=4)),
+        (_plan(2, "dualpipe_v", 1, 4, "tp=2"), 4, ModelSpec(tied=True, layers=4, kind="qwen3")),
+        (_plan(2, "dualpipe_v", 1, 4, "cp=2,activation_checkpointing=selective"), 4, ModelSpec(layers=4)),
+        (_plan(2, "zb_h2", 1, 4, "dp_shard=2,tp=2"), 8, ModelSpec(tied=True, layers=3)),
+        (_plan(2, "zb_v", 1, 4, "dp_shard=2,ep=2"), 4, MOE),
+    ],
+)
+def test_zero_bubble_schedules_through_parallelize(dist, plan, world, model):
+    degrees = meshkit.Plan.from_string(plan)
+    batch = BatchSpec(batch=degrees.microbatches * degrees.dp_shard * degrees.dp_replicate, seq=8, ignore=0.2,
+                      documents=2)
+    results = dist(world).run(_compare_on_rank, plan, model, batch)
+    assert_matches_reference(results, f"{plan} on {model}")
+
+
+def test_tied_copies_stay_identical_under_the_v(dist):
+    for diff in dist(2).run(_tied_copies_equal_after_steps, _plan(2, "zb_v", 1, 2)):
+        assert diff == 0.0

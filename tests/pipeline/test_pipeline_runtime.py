@@ -147,6 +147,15 @@ def test_toy_stages_match_single_process(dist, pp, name, v):
     _assert_matches(results, *_toy_reference(pp * v, m))
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", ["zb_h2", "zb_v", "dualpipe_v"])
+def test_zero_bubble_schedules_match_single_process(dist, pp, name):
+    """ZB-H2 and the V schedules (two stages per rank, the last one on rank 0, B/W and BW mixed)."""
+    m = 2 * pp + 1
+    results = dist(pp).run(_toy_worker, name, 1, m)
+    _assert_matches(results, *_toy_reference(build_schedule(name, pp, m).num_stages, m))
+
+
 @given(pp=st.sampled_from([2, 4]), schedule=st.sampled_from(SCHEDULES), m=st.integers(1, 9))
 def test_toy_stages_match_for_any_microbatch_count(dist, pp, schedule, m):
     name, v = schedule
@@ -228,10 +237,13 @@ def _llama_reference(spec: ModelSpec, m: int) -> tuple[list[float], dict]:
 # not depend on pp.
 @pytest.mark.parametrize(("pp", "name", "v", "checkpointing"),
                          [(pp, n, v, "none") for pp in (2, 4) for n, v in SCHEDULES]
-                         + [(2, "zb_h1", 1, "full"), (4, "zb_h1", 1, "full"), (2, "zb_h1", 1, "selective")])
+                         + [(2, "zb_h1", 1, "full"), (4, "zb_h1", 1, "full"), (2, "zb_h1", 1, "selective")]
+                         + [(2, "zb_h2", 1, "none"), (4, "zb_v", 1, "none"), (2, "zb_v", 1, "full"),
+                            (2, "dualpipe_v", 1, "selective")])
 def test_llama_stages_match_hf(dist, pp, name, v, checkpointing):
-    m = pp
-    spec = ModelSpec(**{**LLAMA.__dict__, "layers": max(LLAMA.layers, pp * v)})
+    stages = build_schedule(name, pp, 2 * pp, v).num_stages
+    m = 2 * pp if name == "dualpipe_v" else pp
+    spec = ModelSpec(**{**LLAMA.__dict__, "layers": max(LLAMA.layers, stages)})
     results = dist(pp).run(_llama_worker, spec, name, v, m, checkpointing)
     _assert_matches(results, *_llama_reference(spec, m))
 

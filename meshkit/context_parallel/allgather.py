@@ -1,0 +1,174 @@
+"""All-gather context parallelism: gather K/V once per layer, reduce-scatter dK/dV once.
+
+The ring trades bytes for memory: it never holds more than two K/V blocks, but K/V go round twice
+(forward and backward) and dK/dV a full turn, (3cp-2) block messages per layer against the (2cp-2)
+blocks' worth of one all-gather and one reduce-scatter here. Holding the whole sequence's K/V costs
+S * Hkv * D * 2 elements per layer, small next to the queries under GQA, which is why Llama 3 trained
+with this scheme and Megatron offers it (`cp_comm_type="all_gather"`).
+
+Forward: one all-gather of this rank's packed [K; V] shard, put back in global token order (the
+zig-zag layout: rank r holds chunks r and 2cp-1-r). Each local query chunk g then attends to the
+key prefix [0, g*c) fully and to its own chunk [g*c, (g+1)*c) causally (square, so SDPA's top-left
+aligned causal mask is exact); the two (out, lse) merge in fp32 (`ring.merge_`). Chunk r sees r + 1/2
+chunks of keys and chunk 2cp-1-r sees 2cp-1-r + 1/2: 2cp chunk-squares on every rank, the zig-zag
+balance. Non-causal attention is one block over every key.
+
+Backward: the gathered K/V are kept from forward (no second all-gather); every block is
+differentiated against the final out and lse, dQ accumulates locally and dK/dV of the whole sequence
+in one fp32 buffer, which one reduce-scatter in `grad_dtype` (the plan's `reduce_dtype`) returns to
+the owners, each rank summing in fp32 after the transfer.
+
+Packed documents: the int document ids of every rank are all-gathered with the same reordering, and
+each block adds its block-diagonal mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshkit._compat import all_gather_single, reduce_scatter_single
+from meshkit.context_parallel.group import as_group
+from meshkit.context_parallel.kernels import acc_dtype, attention_backward, attention_forward, default_scale
+from meshkit.context_parallel.ring import merge_
+from meshkit.context_parallel.sharding import shard_indices
+
+
+def allgather_blocks(cp: int, rank: int, seq_local: int, causal: bool) -> list[tuple[slice, slice, str]]:
+    """(local query slice, global key slice, causal kind) of every kernel call `rank` makes.
+
+    One list for forward and backward and for the work counter in the tests, so the balance that is
+    checked is the plan that runs.
+    """
+    if not causal:
+        return [(slice(0, seq_local), slice(0, seq_local * cp), "none")]
+    c = seq_local // 2
+    blocks = []
+    for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        q = slice(half * c, (half + 1) * c)
+        if chunk:
+            blocks.append((q, slice(0, chunk * c), "none"))
+        blocks.append((q, slice(chunk * c, (chunk + 1) * c), "causal"))
+    return blocks
+
+
+def _global_order(seq_local: int, cp: int, device) -> torch.Tensor:
+    """Index that puts the cp-rank-ordered concatenation of zig-zag shards into token order."""
+    seq = seq_local * cp
+    order = torch.cat([shard_indices(seq, "zigzag", cp, r) for r in range(cp)])
+    return torch.argsort(order).to(device)
+
+
+def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup, cp: int, perm: torch.Tensor, dim: int) -> torch.Tensor:
+    """All ranks' shards of `x` along `dim`, concatenated in global token order."""
+    parts = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_single(parts, x.contiguous(), group)
+    joined = parts.unflatten(0, (cp, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)  # cp-rank order
+    return joined.index_select(dim, perm)
+
+
+def _docs(doc_full_BS, doc_BS, q: slice, k: slice):
+    if doc_BS is None:
+        return None, None
+    return doc_BS[:, q], doc_full_BS[:, k]
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, causal, scale, doc_BS, backend, grad_dtype):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        S_l = q_BHSD.shape[2]
+        perm = _global_order(S_l, cp, q_BHSD.device)
+        kv_full = _gather_seq(torch.stack([k_BHSD, v_BHSD]), group, cp, perm, dim=3)  # [2, B, Hkv, S, D]
+        doc_full = None if doc_BS is None else _gather_seq(doc_BS, group, cp, perm, dim=1)
+        acc = acc_dtype(q_BHSD.dtype)
+        out_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
+        lse_BHS = torch.full(q_BHSD.shape[:3], -math.inf, dtype=acc, device=q_BHSD.device)
+        blocks = allgather_blocks(cp, rank, S_l, causal)
+        for qs, ks, kind in blocks:
+            q_doc, kv_doc = _docs(doc_full, doc_BS, qs, ks)
+            o_i, lse_i = attention_forward(
+                q_BHSD[:, :, qs], kv_full[0][:, :, ks], kv_full[1][:, :, ks], causal_kind=kind, scale=scale,
+                q_doc_BS=q_doc, kv_doc_BS=kv_doc, backend=backend,
+            )
+            merge_(out_BHSD[:, :, qs], lse_BHS[:, :, qs], o_i, lse_i)
+        out = out_BHSD.to(q_BHSD.dtype)
+        ctx.save_for_backward(q_BHSD, kv_full, out, lse_BHS)
+        ctx.opts = (group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout_BHSD):
+        q_BHSD, kv_full, out_BHSD, lse_BHS = ctx.saved_tensors
+        group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype = ctx.opts
+        cp = dist.get_world_size(group)
+        acc = acc_dtype(q_BHSD.dtype)
+        dq_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
+        dkv_full = torch.zeros(kv_full.shape, dtype=acc, device=kv_full.device)
+        for qs, ks, kind in blocks:
+            q_doc, kv_doc = _docs(doc_full, doc_BS, qs, ks)
+            dq_i, dk_i, dv_i = attention_backward(
+                dout_BHSD[:, :, qs], q_BHSD[:, :, qs], kv_full[0][:, :, ks], kv_full[1][:, :, ks],
+                out_BHSD[:, :, qs], lse_BHS[:, :, qs], causal_kind=kind, scale=scale, q_doc_BS=q_doc,
+                kv_doc_BS=kv_doc, backend=backend,
+            )
+            dq_BHSD[:, :, qs].add_(dq_i)
+            dkv_full[0][:, :, ks].add_(dk_i)
+            dkv_full[1][:, :, ks].add_(dv_i)
+        # Back to cp-rank order, one [2, B, Hkv, S/cp, D] slot per rank, sent in the reduce dtype.
+        S_l = q_BHSD.shape[2]
+        by_rank = torch.empty_like(dkv_full).index_copy_(3, perm, dkv_full)
+        send = by_rank.unflatten(3, (cp, S_l)).movedim(3, 0).to(grad_dtype or acc).contiguous()
+        recv = torch.empty(send.shape[1:], dtype=send.dtype, device=send.device)
+        reduce_scatter_single(recv, send.flatten(0, 1), group)
+        return (
+            dq_BHSD.to(q_BHSD.dtype), recv[0].to(kv_full.dtype), recv[1].to(kv_full.dtype),
+            None, None, None, None, None, None,
+        )
+
+
+def allgather_attention(
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    group: DeviceMesh | dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    doc_ids_BS: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    grad_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Attention of the local query shard against the whole sequence's K/V, gathered; returns local out.
+
+    Inputs are this rank's zig-zag shard (`sharding.shard(..., "zigzag", ...)`), K/V with their own
+    GQA head count, never repeated. grad_dtype: the dtype dK/dV travel in (None: fp32, the
+    accumulator's); the owner sums in fp32 either way.
+    """
+    if dropout_p:
+        raise ValueError(
+            f"attention dropout_p={dropout_p} is not supported under context parallelism; set the "
+            "model's attention_dropout to 0"
+        )
+    pg = as_group(group)
+    S = q_BHSD.shape[2]
+    if k_BHSD.shape[2] != S or v_BHSD.shape != k_BHSD.shape:
+        raise ValueError(
+            f"all-gather attention needs q, k, v shards of equal length; got q {tuple(q_BHSD.shape)}, "
+            f"k {tuple(k_BHSD.shape)}, v {tuple(v_BHSD.shape)}"
+        )
+    if S % 2:
+        raise ValueError(
+            f"the all-gather kind uses the zigzag layout (two equal chunks per rank), but the local sequence "
+            f"length is {S}; the global length must be a multiple of 2*cp = {2 * dist.get_world_size(pg)}"
+        )
+    scale = default_scale(q_BHSD.shape[-1]) if scale is None else float(scale)
+    if doc_ids_BS is not None:
+        doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
+    return _AllGatherAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, causal, scale, doc_ids_BS, backend, grad_dtype)

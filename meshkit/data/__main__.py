@@ -1,0 +1,74 @@
+"""`python -m meshkit.data prepare INPUT... --output DIR (--tokenizer DIR | --vocab-size N)`.
+
+Writes a token store (see `meshkit.data.store`); `python -m meshkit.data info DIR` describes one.
+Exit status 2 with a one-line message for every bad input, as the recipe does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from meshkit.data.chat import CHAT
+from meshkit.data.prepare import prepare
+from meshkit.data.sources import TEXT
+from meshkit.data.store import TokenStore
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m meshkit.data", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize text into a memory-mapped token store",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files or directories: .txt/.md/.py (or --glob), .jsonl, .parquet, save_to_disk directories")
+    p.add_argument("--output", required=True, metavar="DIR", help="the token store directory to write")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer directory (e.g. the model's)")
+    how.add_argument("--vocab-size", type=int, metavar="N", help="train a byte-level BPE of N tokens on the input")
+    p.add_argument("--val", nargs="+", metavar="INPUT", help="held-out inputs (instead of --val-fraction)")
+    p.add_argument("--val-fraction", type=float, default=0.0, help="share of documents held out (deterministic)")
+    p.add_argument("--text-field", default="text", help="the jsonl / parquet / datasets field holding the text")
+    p.add_argument("--chat", action="store_true",
+                   help="chat records {'messages': [{'role', 'content'}...]} through the tokenizer's chat template; "
+                        "only assistant tokens are targets (supervised fine-tuning; meshkit.data.chat)")
+    p.add_argument("--glob", action="append", dest="globs", metavar="PATTERN",
+                   help="text file pattern inside directories (repeatable; default *.txt *.md *.py)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="non-UTF-8 bytes: an error naming file and offset, or U+FFFD")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="tokenizing processes")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --val-fraction choice")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    info = sub.add_parser("info", help="describe a token store (and check its checksums)")
+    info.add_argument("store", metavar="DIR")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "info":
+            ts = TokenStore(args.store)
+            print(ts)
+            for split in ("train", "val"):
+                s = ts.split_info(split)
+                print(f"  {split}: {s.documents} documents, {s.tokens} tokens")
+            return 0
+        result = prepare(args.inputs, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val=args.val,
+                         val_fraction=args.val_fraction, text_field=args.text_field, globs=args.globs,
+                         errors=args.errors, workers=args.workers, seed=args.seed, progress=not args.quiet,
+                         source=CHAT if args.chat else TEXT)
+    except ValueError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    m = result.manifest
+    state = "up to date (inputs unchanged): nothing to do" if result.skipped else "written"
+    print(f"{result.path}: {state} | {m['num_documents']} documents, {m['num_tokens']:,} tokens ({m['dtype']}), "
+          f"vocab {m['vocab_size']}, train {m['splits']['train']['tokens']:,} / val {m['splits']['val']['tokens']:,} "
+          "tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

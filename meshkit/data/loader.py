@@ -1,0 +1,193 @@
+"""`PackedLoader`: one dp rank's share of each global batch, resumable from one integer, prefetched.
+
+Step s reads global samples [s * global_batch, (s + 1) * global_batch) (see `packing`); dp rank r of
+dp_size takes the contiguous `global_batch / dp_size` rows starting at r times that. A global batch
+may span two epochs (the last rows of epoch e, then the first rows of e + 1): nothing is dropped or
+repeated, and the epoch boundary falls wherever the rows per epoch put it.
+
+The state is the next global sample index plus what fixes the order (seed, seq_len, pack, split, the
+data's fingerprint): the same on every rank, independent of dp size and global batch, so a
+checkpoint saved under dp=4 resumes under dp=2 (or another tp/cp/pp plan) at exactly the next rows.
+
+Prefetch: a background thread builds the next `prefetch` batches from the memory map while the
+model steps; `wait_s` accumulates the time `next()` spent waiting for it (the data stall).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshkit.data.blend import BlendedRows
+from meshkit.data.packing import PackedRows
+from meshkit.data.store import TokenStore
+
+__all__ = ["PackedLoader", "check_fits_model"]
+
+STATE_FORMAT = 1
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_fits_model(store: TokenStore | Mapping[str, TokenStore], seq_len: int, config: Any) -> None:
+    """ValueError naming both sides when rows of `seq_len` from `store` cannot feed a model of `config`.
+
+    A token id past the embedding's rows would fail deep inside the first forward (or, on a GPU,
+    corrupt memory), and positions past `max_position_embeddings` extrapolate the rotary embedding
+    silently; both are known before the first step.
+    """
+    stores = {"store": store} if isinstance(store, TokenStore) else dict(store)
+    problems = []
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        problems.append(f"seq_len={seq_len} is above the model's max_position_embeddings={limit}; fix: seq_len <= {limit}")
+    for s in stores.values():
+        if s.vocab_size > config.vocab_size:
+            problems.append(f"token store {str(s.path)!r} has a vocabulary of {s.vocab_size} tokens, the model's "
+                            f"embedding {config.vocab_size} rows; fix: a store made with the model's own tokenizer "
+                            "(prepare --tokenizer <model dir>)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+class PackedLoader:
+    """Batches `(input_ids, labels, position_ids)` of `global_batch / dp_size` rows for one dp rank.
+
+    `store` is a `TokenStore`, or a mapping of names to stores blended by `weights` (see `blend`).
+    Labels are unshifted with -100 where there is no target, as `ParallelModel.forward_backward`
+    takes them. Iterating never ends (epochs follow each other); `batch(step)` is the pure form.
+    Every bad argument raises ValueError at construction, identically on every rank.
+    """
+
+    def __init__(self, store: TokenStore | Mapping[str, TokenStore], *, seq_len: int, global_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, split: str = "train", pack: bool = True,
+                 weights: Mapping[str, float] | None = None, prefetch: int = 2):
+        for name, value, low in (("global_batch", global_batch, 1), ("dp_size", dp_size, 1), ("prefetch", prefetch, 0)):
+            if value < low:
+                raise ValueError(f"{name}={value}: must be >= {low}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank}: must be in [0, dp_size={dp_size})")
+        if global_batch % dp_size:
+            raise ValueError(f"global_batch={global_batch} rows do not split over dp_size={dp_size}; fix: a multiple "
+                             f"of {dp_size} (e.g. {dp_size * max(global_batch // dp_size, 1)})")
+        if isinstance(store, TokenStore):
+            if weights is not None:
+                raise ValueError("weights given for a single token store; fix: pass a mapping of names to stores")
+            self.rows: PackedRows | BlendedRows = PackedRows(store, seq_len=seq_len, pack=pack, seed=seed, split=split)
+        else:
+            self.rows = BlendedRows(store, weights, seq_len=seq_len, pack=pack, seed=seed, split=split)
+        if self.rows.rows_per_epoch < global_batch:
+            raise ValueError(f"the {split!r} data holds {self.rows.tokens} tokens = {self.rows.rows_per_epoch} rows of "
+                             f"seq_len={seq_len}, fewer than one global batch of {global_batch} rows; fix: more data, "
+                             "a smaller global batch or a shorter seq_len")
+        self.seq_len, self.global_batch, self.seed, self.split, self.pack = seq_len, global_batch, seed, split, pack
+        self.dp_rank, self.dp_size, self.prefetch = dp_rank, dp_size, prefetch
+        self.local_batch = global_batch // dp_size
+        self.wait_s = 0.0  # total time next() waited for data
+        self._sample = 0  # the next global sample index
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------------------------ pure form
+    def rows_at(self, first_sample: int) -> Batch:
+        """This rank's rows of the global batch starting at global sample `first_sample`."""
+        start = first_sample + self.dp_rank * self.local_batch
+        rows = [self.rows.sample(g) for g in range(start, start + self.local_batch)]
+        return tuple(torch.from_numpy(np.stack([getattr(r, f) for r in rows]))
+                     for f in ("input_ids", "labels", "position_ids"))  # type: ignore[return-value]
+
+    def batch(self, step: int) -> Batch:
+        """This rank's rows of global batch `step` (0-based), whatever was iterated before."""
+        return self.rows_at(step * self.global_batch)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs consumed so far, fractional (a blend counts its rows against the sum of its sources')."""
+        return self._sample / self.rows.rows_per_epoch
+
+    # ------------------------------------------------------------------------------------ iteration
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.prefetch == 0:
+            out = self.rows_at(self._sample)
+        else:
+            if self._thread is None:
+                self._start()
+            begin = time.perf_counter()
+            first, out = self._queue.get()
+            self.wait_s += time.perf_counter() - begin
+            if isinstance(out, BaseException):
+                self.close()
+                raise out
+            assert first == self._sample, "prefetch out of step"  # internal invariant, not user input
+        self._sample += self.global_batch
+        return out
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=self._produce, args=(self._sample, self._stop, self._queue),
+                                        name="meshkit-data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self, sample: int, stop: threading.Event, out: queue.Queue) -> None:
+        while not stop.is_set():
+            try:
+                item: Any = (sample, self.rows_at(sample))
+            except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised there
+                item = (sample, err)
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item[1], BaseException):
+                return
+            sample += self.global_batch
+
+    def close(self) -> None:
+        """Stop the prefetch thread (a later `next()` starts a new one at the current position)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = self._queue = None
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)  # absent when __init__ refused its arguments
+        if stop is not None:
+            stop.set()
+
+    # ---------------------------------------------------------------------------------------- state
+    def _identity(self) -> dict[str, Any]:
+        return {"seed": self.seed, "seq_len": self.seq_len, "pack": self.pack, "split": self.split,
+                "data": self.rows.identity()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (next global sample) and what fixes the order; identical on every rank."""
+        return {"format": STATE_FORMAT, "sample": self._sample, "global_batch": self.global_batch,
+                **self._identity()}
+
+    def state_problems(self, state: Any) -> list[str]:
+        """Why `state` cannot resume this loader (empty: it can); pure, so every rank agrees."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            return [f"data loader state {state!r:.80} is not a PackedLoader state (format {STATE_FORMAT})"]
+        mine = self._identity()
+        return [f"data loader {key}: saved {state.get(key)!r}, this loader {value!r}; fix: the same {key} as the "
+                "saving run (the order of the rows depends on it)" for key, value in mine.items() if state.get(key) != value]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved position; ValueError if the saved loader read other data or another order."""
+        problems = self.state_problems(state)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.close()
+        self._sample = int(state["sample"])

@@ -1,0 +1,227 @@
+"""`prepare`: text in, token store out (`python -m meshkit.data prepare`; see `meshkit.data.store`).
+
+The steps: resolve INPUT paths (`sources.find_inputs`), read every document into one
+`datasets.Dataset` (`sources.read_documents`), load the tokenizer or train a byte-level BPE on the
+training documents, tokenize with `Dataset.map` over several processes (its progress bar), and write
+the flat token array, offsets, split ids, tokenizer and manifest.
+
+Why a temporary directory: everything is written under `.<output>.tmp-<pid>` next to the output and
+renamed into place only when complete, so an interrupted prepare leaves the old store (or nothing),
+never half a store. Why a fingerprint of the inputs: re-running with unchanged inputs and options is
+a no-op, so a recipe or Makefile can call prepare unconditionally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from tqdm import tqdm
+
+from meshkit.data import sources, store
+from meshkit.data import tokenizer as tokenizers_lib
+from meshkit.data.sources import TEXT, DocumentSource
+from meshkit.data.store import FORMAT_VERSION, TokenStore
+
+__all__ = ["PrepareResult", "prepare"]
+
+ERRORS = ("strict", "replace")
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    path: Path
+    skipped: bool  # the store was already up to date
+    manifest: dict[str, Any]
+
+
+def _check_options(tokenizer, vocab_size, val, val_fraction, errors, workers) -> None:
+    if (tokenizer is None) == (vocab_size is None):
+        raise ValueError("prepare: give exactly one of --tokenizer DIR (an existing HF tokenizer) or "
+                         "--vocab-size N (train a byte-level BPE on the input)")
+    if val and val_fraction:
+        raise ValueError("prepare: --val and --val-fraction both given; fix: one way to hold documents out")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"prepare: --val-fraction {val_fraction}: must be in [0, 1)")
+    if errors not in ERRORS:
+        raise ValueError(f"prepare: --errors {errors!r}: one of {list(ERRORS)}")
+    if workers < 1:
+        raise ValueError(f"prepare: --workers {workers}: must be >= 1")
+
+
+def _fingerprint(found: sources.Inputs, val_found: sources.Inputs | None, options: dict[str, Any]) -> str:
+    """Paths, sizes and modification times of every input file, and the options: cheap to recompute."""
+    def stats(inputs):
+        return [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs.files()]
+
+    blob = json.dumps({"inputs": stats(found), "val": stats(val_found) if val_found else None, **options},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _up_to_date(output: Path, fingerprint: str) -> dict[str, Any] | None:
+    if not (output / store.MANIFEST).is_file():
+        return None
+    try:
+        opened = TokenStore(output, verify=False)
+    except ValueError:
+        return None
+    return opened.manifest if opened.manifest.get("inputs_fingerprint") == fingerprint else None
+
+
+def _encode_batch(batch: dict[str, list], tok: Any, source: DocumentSource, eos_id: int) -> dict[str, list]:
+    ids_out, masks_out = [], []
+    for ids, mask in source.encode(tok, batch["text"]):
+        ids = list(ids)
+        mask = None if mask is None else list(mask)
+        if mask is not None and len(mask) != len(ids):
+            raise ValueError(f"document source {source.name!r}: a mask of {len(mask)} for {len(ids)} tokens")
+        if not ids or ids[-1] != eos_id:
+            ids.append(eos_id)
+            if mask is not None:
+                mask.append(1)
+        ids_out.append(ids)
+        masks_out.append(mask or [])
+    return {"input_ids": ids_out, "loss_mask": masks_out}
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike],
+    output: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    val: Sequence[str | os.PathLike] | None = None,
+    val_fraction: float = 0.0,
+    text_field: str = "text",
+    globs: Sequence[str] | None = None,
+    errors: str = "strict",
+    workers: int = 1,
+    seed: int = 0,
+    source: DocumentSource = TEXT,
+    progress: bool = True,
+) -> PrepareResult:
+    """Write the token store of `inputs` to `output`; a no-op when it is up to date. See the module doc.
+
+    Held-out documents: `val_fraction` picks that share of the documents by a permutation seeded by
+    `seed` (deterministic), or `val` names separate inputs. Every bad input raises ValueError before
+    anything is written to `output`.
+    """
+    _check_options(tokenizer, vocab_size, val, val_fraction, errors, workers)
+    found = sources.find_inputs(inputs, globs)
+    val_found = sources.find_inputs(val, globs, what="--val") if val else None
+    tok = tokenizers_lib.load_tokenizer(tokenizer) if tokenizer is not None else None
+    output = Path(output).expanduser()
+    options = {"tokenizer": tokenizers_lib.tokenizer_hash(tok) if tok else None, "vocab_size": vocab_size,
+               "val_fraction": val_fraction, "text_field": text_field, "globs": list(globs or []),
+               "errors": errors, "seed": seed, "source": source.name, "format": FORMAT_VERSION}
+    fingerprint = _fingerprint(found, val_found, options)
+    manifest = _up_to_date(output, fingerprint)
+    if manifest is not None:
+        return PrepareResult(output, True, manifest)
+    if output.exists() and not (output / store.MANIFEST).is_file() and any(output.iterdir()):
+        raise ValueError(f"--output {str(output)!r}: exists and is not a token store; fix: name a new directory "
+                         "(prepare replaces only a directory it wrote)")
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    work = tmp / ".work"
+    work.mkdir(parents=True)
+    bars_were_off = datasets.is_progress_bar_enabled() is False
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        manifest = _write(found, val_found, tmp, work, tok, vocab_size, text_field, errors, workers, seed,
+                          val_fraction, source, progress)
+        manifest["inputs_fingerprint"] = fingerprint
+        (tmp / store.MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        shutil.rmtree(work)
+        _swap_into_place(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not progress and not bars_were_off:
+            datasets.enable_progress_bars()
+    return PrepareResult(output, False, manifest)
+
+
+def _swap_into_place(tmp: Path, output: Path) -> None:
+    """Rename the finished store over `output`; an older store is moved aside first, then deleted."""
+    old = None
+    if output.exists():
+        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        output.rename(old)
+    tmp.rename(output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field, errors, workers, seed,
+           val_fraction, source, progress) -> dict[str, Any]:
+    read = dict(field=text_field, source=source, errors=errors, cache_dir=str(work / "cache"))
+    docs = sources.read_documents(found, **read)
+    n_train_inputs = len(docs)
+    if val_found is not None:
+        docs = datasets.concatenate_datasets([docs, sources.read_documents(val_found, **read)])
+    if tok is None:
+        texts = (batch["text"] for batch in docs.select(range(n_train_inputs)).iter(batch_size=1000))
+        tok = tokenizers_lib.train_bpe(texts, vocab_size, tmp / store.TOKENIZER)
+    else:
+        tok.save_pretrained(str(tmp / store.TOKENIZER))
+    if workers > 1:  # one process per worker; Rust threads inside each would oversubscribe the cores
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    eos_id = int(tok.eos_token_id)
+    encoded = docs.map(_encode_batch, batched=True, batch_size=256, num_proc=workers if workers > 1 else None,
+                       remove_columns=["text"], fn_kwargs={"tok": tok, "source": source, "eos_id": eos_id},
+                       cache_file_name=str(work / "tokenized.arrow"), desc="tokenize")
+
+    vocab = len(tok)
+    dtype = store.token_dtype(vocab)
+    lengths = np.zeros(len(encoded), dtype=np.int64)
+    has_mask = any(len(chunk.flatten()) for chunk in encoded.data.column("loss_mask").chunks)
+    row = 0
+    with open(tmp / store.TOKENS, "wb") as tokens_f, \
+            open(tmp / store.LOSS_MASK, "wb") if has_mask else open(os.devnull, "wb") as mask_f:
+        batches = encoded.with_format("arrow").iter(batch_size=4096)
+        for batch in tqdm(batches, total=-(-len(encoded) // 4096), desc="write", disable=not progress):
+            ids = batch.column("input_ids").combine_chunks()
+            flat = ids.flatten().to_numpy(zero_copy_only=False)
+            count = ids.value_lengths().to_numpy(zero_copy_only=False)
+            lengths[row:row + len(count)] = count
+            row += len(count)
+            if flat.size and int(flat.max()) >= vocab:
+                raise ValueError(f"document source {source.name!r}: token id {int(flat.max())} >= vocabulary {vocab}")
+            flat.astype(dtype).tofile(tokens_f)
+            if has_mask:
+                masks = batch.column("loss_mask").to_pylist()
+                for n, mask in zip(count, masks):
+                    np.asarray(mask or np.ones(n), dtype=np.uint8).tofile(mask_f)
+    return store.finish_store(
+        tmp, lengths, _split_ids(len(lengths), n_train_inputs, val_fraction, seed), dtype=dtype, eos_id=eos_id,
+        vocab_size=vocab, tokenizer_sha256=tokenizers_lib.tokenizer_hash(tok), has_mask=has_mask,
+        source=source.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def _split_ids(n_docs: int, n_train_inputs: int, val_fraction: float, seed: int) -> np.ndarray:
+    """0 = train, 1 = val per document: `--val` documents come after the training inputs' documents."""
+    ids = np.zeros(n_docs, dtype=np.uint8)
+    ids[n_train_inputs:] = store.SPLITS["val"]
+    if val_fraction:
+        k = round(val_fraction * n_train_inputs)
+        if k == 0 or k == n_train_inputs:
+            raise ValueError(f"--val-fraction {val_fraction} of {n_train_inputs} documents holds out {k}; fix: a "
+                             "fraction that leaves documents on both sides, or --val INPUT")
+        chosen = np.random.default_rng(seed).permutation(n_train_inputs)[:k]
+        ids[chosen] = store.SPLITS["val"]
+    if not (ids == store.SPLITS["train"]).any():
+        raise ValueError("prepare: no training document left; fix: more inputs or a smaller --val-fraction")
+    return ids

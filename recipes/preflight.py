@@ -1,0 +1,172 @@
+"""Checks that run before any training: a run that cannot finish must fail in its first seconds.
+
+Everything a user can get wrong in a preset or on the command line is checked here, not found out
+hours later at the first save or deep inside AdamW: a missing config file, a typo in `[model]`
+(which HF would otherwise keep as a stray attribute and train with the default), `[train]`/`[data]`
+values of the wrong type or range, a sequence length or batch the plan cannot split, and a save
+directory that is not writable or too small for one checkpoint. The config checks are pure, so
+every rank raises the same ValueError without communicating; the filesystem checks differ per rank
+(each rank writes its own shards) and are agreed on with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import meshkit
+from meshkit import estimate
+from meshkit.step.consensus import raise_if_any
+
+# Ranges of the known [train] and [data] fields; fields other modules add are type-checked only.
+AT_LEAST_1 = ("steps", "seq_len", "local_batch", "grad_accum", "log_every", "branching")
+AT_LEAST_0 = ("eval_every", "eval_batches", "save_every", "keep_last", "load_step", "threads", "warmup_steps",
+              "peak_tflops", "clip", "weight_decay", "heartbeat_s")
+POSITIVE = ("lr", "timeout_s")
+FRACTION = ("beta1", "beta2")  # [0, 1)
+RATIO = ("min_lr_ratio",)  # [0, 1]
+CHOICES = {"on_nonfinite": ("error", "skip")}
+RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type")
+
+
+def check_config_file(path: str | None) -> None:
+    """A named preset must exist (otherwise a raw FileNotFoundError traceback, on every rank)."""
+    if path and not Path(path).is_file():
+        raise ValueError(f"--config {path}: no such file; fix: the path of a TOML preset, e.g. "
+                         "recipes/configs/debug_cpu.toml (or leave --config out for the built-in defaults)")
+
+
+def field_problems(table: Any, where: str) -> list[str]:
+    """Type and range problems of one config dataclass ([train], [data]), one line each."""
+    found = []
+    for f in dataclasses.fields(table):
+        value = getattr(table, f.name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        wrong = _type_problem(value, kind)
+        if wrong:
+            found.append(f"[{where}] {f.name}={value!r}: {wrong}")
+            continue
+        found.extend(f"[{where}] {f.name}={value!r}: {p}" for p in _range_problems(f.name, value))
+    return found
+
+
+def _type_problem(value: Any, kind: str) -> str | None:
+    if kind == "bool":
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind == "int":
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        return None if math.isfinite(value) else "must be a finite number"
+    if kind == "str":
+        return None if isinstance(value, str) else "must be a string"
+    return None
+
+
+def _range_problems(name: str, value: Any) -> list[str]:
+    if name in AT_LEAST_1 and value < 1:
+        return ["must be >= 1"]
+    if name in AT_LEAST_0 and value < 0:
+        return ["must be >= 0"]
+    if name in POSITIVE and value <= 0:
+        return ["must be > 0"]
+    if name in FRACTION and not 0 <= value < 1:
+        return ["must be in [0, 1)"]
+    if name in RATIO and not 0 <= value <= 1:
+        return ["must be in [0, 1]"]
+    if name in CHOICES and value not in CHOICES[name]:
+        return [f"must be one of {', '.join(CHOICES[name])}"]
+    return []
+
+
+def model_key_problems(table: dict[str, Any], config: Any) -> list[str]:
+    """Keys of `[model]` that are no field of the model type's config.
+
+    HF keeps an unknown keyword as a stray attribute, so `hiden_size = 64` trains silently with the
+    default hidden size. A key counts as known when the config class declares it (its `__init__`,
+    its defaults, its aliases) or consumed it (`rope_theta` becomes part of `rope_parameters`).
+    """
+    cls = type(config)
+    default = cls()
+    known = (set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+             | set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"})
+    stored = config.to_dict()
+    found = []
+    for key in table:
+        if key in RECIPE_MODEL_KEYS or key in known or key not in stored:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        found.append(f"[model] {key}: not a field of {cls.__name__} ({config.model_type}); {hint}fix: a field "
+                     f"of that config (see its documentation), or remove it")
+    return found
+
+
+def shape_problems(run: Any, model_config: Any, world: int) -> list[str]:
+    """Sequence length and batch shape against the plan, before any process group exists."""
+    cfg = run.train
+    try:
+        plan = run.plan.validate(model_config, world_size=world, seq_len=cfg.seq_len)
+    except ValueError as err:
+        return [str(err)]
+    if plan.pp > 1 and cfg.local_batch % plan.microbatches:
+        return [f"[train] local_batch={cfg.local_batch}: the plan splits each batch into {plan.microbatches} "
+                f"pipeline microbatches; fix: a local_batch divisible by {plan.microbatches}"]
+    return []
+
+
+def check_config(run: Any, model_config: Any, world: int) -> None:
+    """Every config problem at once, as one ValueError (pure: identical on every rank)."""
+    found = field_problems(run.train, "train") + field_problems(run.data, "data")
+    found += model_key_problems(run.model, model_config)
+    if not found:  # shapes need sane numbers
+        found += shape_problems(run, model_config, world)
+    if found:
+        raise ValueError("the configuration has problems:\n  - " + "\n  - ".join(found))
+
+
+def checkpoint_bytes(model_config: Any) -> int | None:
+    """The estimator's size of one checkpoint (fp32 parameters and AdamW's two moments), or None."""
+    try:
+        state = estimate.model_state(model_config, meshkit.Plan())
+    except Exception:  # noqa: BLE001 - an estimator gap must not stop training; the check is skipped
+        return None
+    return state.param_bytes + state.optimizer_bytes
+
+
+def save_dir_problem(save_dir: str, needed: int | None) -> str | None:
+    """This rank's view of the save directory: creatable, writable (a probe file), room for a checkpoint."""
+    directory = Path(save_dir)
+    probe = directory / f".meshkit-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"meshkit")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        return (f"[train] save_dir={save_dir!r} is not writable ({err.strerror or err}); fix: a directory this "
+                "user can write on a filesystem every rank sees")
+    if needed is not None:
+        free = shutil.disk_usage(directory).free
+        if free < needed:
+            return (f"[train] save_dir={save_dir!r}: {free / 2**30:.3g} GiB free, one checkpoint needs about "
+                    f"{needed / 2**30:.3g} GiB (meshkit.estimate: fp32 parameters + AdamW moments); fix: free "
+                    "space or another save_dir")
+    return None
+
+
+def check_filesystem(run: Any, model_config: Any) -> None:
+    """Collective: the save directory works for every rank, or every rank raises the same error."""
+    cfg = run.train
+    problem = save_dir_problem(cfg.save_dir, checkpoint_bytes(model_config)) if cfg.save_every else None
+    raise_if_any(problem)

@@ -1,0 +1,161 @@
+"""Packing and the loader: every token once per epoch, right boundaries and labels, an order that does
+not depend on the dp size, and resumption from `state_dict` at any point.
+
+Stores are written in memory (`write_store`) with random documents; the checks use each row's
+provenance (`PackedRows.flat_indices`: the flat store index of every token) against the store's
+document offsets, an independent description of where documents start and end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshkit.context_parallel.sharding import document_ids
+from meshkit.data import PackedLoader, PackedRows
+from meshkit.data.packing import IGNORE
+from meshkit.data.store import write_store
+
+EOS = 0
+VOCAB = 500
+
+
+def _store(path, lengths, seed=0, val_every=0, masked=False):
+    rng = np.random.default_rng(seed)
+    docs = [np.append(rng.integers(1, VOCAB, n - 1), EOS) for n in lengths]
+    split = np.array([1 if val_every and i % val_every == val_every - 1 else 0 for i in range(len(docs))])
+    masks = [rng.integers(0, 2, len(d)) for d in docs] if masked else None
+    return write_store(path, docs, eos_id=EOS, vocab_size=VOCAB, split_ids=split, loss_masks=masks)
+
+
+def _check_row(store, rows: PackedRows, g: int, seen: list[np.ndarray]) -> None:
+    idx = rows.flat_indices(g)
+    row = rows.sample(g)
+    offsets = np.asarray(store.offsets)
+    starts = set(offsets[:-1].tolist())
+    real = idx >= 0
+    assert real[0] and (np.flatnonzero(~real).size == 0 or real[:np.flatnonzero(~real)[0]].all()), "padding only at the end"
+    seen.append(idx[real])
+    tokens = np.asarray(store.tokens)
+    assert np.array_equal(row.input_ids[real], tokens[idx[real]])
+    assert (row.input_ids[~real] == EOS).all() and (row.labels[~real] == IGNORE).all()
+    doc_of = np.searchsorted(offsets, idx, side="right") - 1
+    for t in range(rows.seq_len):
+        if not real[t]:
+            assert row.position_ids[t] == row.position_ids[t - 1] + 1  # pads continue, never a new document
+            continue
+        new_piece = t == 0 or idx[t] in starts or doc_of[t] != doc_of[t - 1]
+        if not new_piece:
+            assert idx[t] == idx[t - 1] + 1, "a document's tokens stay contiguous inside a row"
+        assert row.position_ids[t] == (0 if new_piece else row.position_ids[t - 1] + 1)
+        expected = IGNORE if idx[t] in starts else int(tokens[idx[t]])
+        if store.loss_mask is not None and store.loss_mask[idx[t]] == 0:
+            expected = IGNORE
+        assert row.labels[t] == expected
+        if t and row.labels[t] != IGNORE:  # the target's context token is of the same document
+            assert doc_of[t - 1] == doc_of[t]
+    if not rows.pack:
+        assert len(set(doc_of[real].tolist())) == 1, "pack=False: one document per row"
+    # meshkit's block-diagonal attention reads the same boundaries from the positions
+    ids = document_ids(torch.from_numpy(row.position_ids)[None])[0].numpy()
+    for t in range(1, rows.seq_len):
+        if real[t]:
+            assert (ids[t] == ids[t - 1]) == (doc_of[t] == doc_of[t - 1] and t > 0 and idx[t] not in starts)
+
+
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=25), seq_len=st.integers(2, 17),
+       pack=st.booleans(), seed=st.integers(0, 3), masked=st.booleans())
+def test_every_token_once_per_epoch_with_right_boundaries_and_labels(tmp_path_factory, lengths, seq_len, pack, seed,
+                                                                      masked):
+    store = _store(tmp_path_factory.mktemp("s"), lengths, seed=seed, masked=masked)
+    rows = PackedRows(store, seq_len=seq_len, pack=pack, seed=seed)
+    expected_rows = -(-sum(lengths) // seq_len) if pack else sum(-(-n // seq_len) for n in lengths)
+    assert rows.rows_per_epoch == expected_rows
+    for epoch in (0, 1):
+        seen: list[np.ndarray] = []
+        for g in range(epoch * rows.rows_per_epoch, (epoch + 1) * rows.rows_per_epoch):
+            _check_row(store, rows, g, seen)
+        flat = np.concatenate(seen)
+        assert np.array_equal(np.sort(flat), np.arange(store.num_tokens)), "each token exactly once per epoch"
+
+
+def test_epochs_reshuffle_and_the_order_is_a_function_of_the_seed(tmp_path):
+    store = _store(tmp_path, [7, 12, 3, 9, 30, 5, 11, 2] * 3)
+    a, b = PackedRows(store, seq_len=8, seed=1), PackedRows(store, seq_len=8, seed=1)
+    R = a.rows_per_epoch
+    epoch0 = [a.flat_indices(g).tolist() for g in range(R)]
+    assert epoch0 == [b.flat_indices(g).tolist() for g in range(R)]
+    assert epoch0 != [a.flat_indices(g).tolist() for g in range(R, 2 * R)]
+    assert epoch0 != [PackedRows(store, seq_len=8, seed=2).flat_indices(g).tolist() for g in range(R)]
+
+
+def _global(loader_args, dp_size, step):
+    parts = [PackedLoader(dp_rank=r, dp_size=dp_size, prefetch=0, **loader_args).batch(step) for r in range(dp_size)]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+
+
+@given(global_batch=st.sampled_from([4, 8, 12]), seq_len=st.integers(2, 12), pack=st.booleans(), seed=st.integers(0, 5))
+def test_global_rows_do_not_depend_on_dp_size(tmp_path_factory, global_batch, seq_len, pack, seed):
+    store = _store(tmp_path_factory.mktemp("s"), [5, 17, 3, 40, 9, 2, 11, 26, 8, 13, 4, 30], seed=seed)
+    args = dict(store=store, seq_len=seq_len, global_batch=global_batch, seed=seed, pack=pack)
+    steps = range(PackedRows(store, seq_len=seq_len, pack=pack).rows_per_epoch // global_batch + 2)  # past an epoch
+    for step in steps:
+        whole = _global(args, 1, step)
+        for dp in (2, 4):
+            assert all(torch.equal(x, y) for x, y in zip(whole, _global(args, dp, step))), f"dp={dp} step={step}"
+
+
+def test_iteration_prefetch_and_resume_across_dp_sizes(tmp_path):
+    store = _store(tmp_path, [5, 17, 3, 40, 9, 2, 11, 26, 8, 13, 4, 30] * 2)
+    args = dict(seq_len=8, global_batch=8, seed=3)
+    straight = PackedLoader(store, **args)  # dp=1 prefetching: the reference order
+    expected = [next(straight) for _ in range(12)]
+    for step, batch in enumerate(expected):
+        assert all(torch.equal(x, y) for x, y in zip(batch, straight.batch(step)))
+    straight.close()
+    # dp=4 runs 5 steps and saves; dp=2 resumes from that state and must see steps 5.. exactly
+    ranks = [PackedLoader(store, dp_rank=r, dp_size=4, **args) for r in range(4)]
+    for _ in range(5):
+        for loader in ranks:
+            next(loader)
+    states = [loader.state_dict() for loader in ranks]
+    assert all(s == states[0] for s in states) and states[0]["sample"] == 5 * 8
+    resumed = [PackedLoader(store, dp_rank=r, dp_size=2, **args) for r in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(states[0])
+    for step in range(5, 12):
+        got = [next(loader) for loader in resumed]
+        assert all(torch.equal(torch.cat([g[i] for g in got]), expected[step][i]) for i in range(3)), step
+    assert resumed[0].epoch > 1  # the run crossed epoch boundaries
+    for loader in ranks + resumed:
+        loader.close()
+
+
+def test_state_from_other_data_or_order_is_refused(tmp_path):
+    store = _store(tmp_path / "a", [5, 17, 3, 40, 9, 2, 11, 26])
+    other = _store(tmp_path / "b", [5, 17, 3, 40, 9, 2, 11, 26], seed=9)
+    state = PackedLoader(store, seq_len=8, global_batch=4, seed=1).state_dict()
+    for loader, what in [(PackedLoader(store, seq_len=8, global_batch=4, seed=2), "seed"),
+                         (PackedLoader(store, seq_len=4, global_batch=4, seed=1), "seq_len"),
+                         (PackedLoader(store, seq_len=8, global_batch=4, seed=1, pack=False), "pack"),
+                         (PackedLoader(other, seq_len=8, global_batch=4, seed=1), "data")]:
+        with pytest.raises(ValueError, match=f"data loader {what}: saved"):
+            loader.load_state_dict(state)
+    PackedLoader(store, seq_len=8, global_batch=8, seed=1).load_state_dict(state)  # another global batch is fine
+
+
+def test_bad_loader_arguments(tmp_path):
+    store = _store(tmp_path, [10, 10, 10], val_every=0)
+    with pytest.raises(ValueError, match=r"holds 30 tokens = 4 rows of seq_len=8, fewer than one global batch of 8"):
+        PackedLoader(store, seq_len=8, global_batch=8)
+    with pytest.raises(ValueError, match="global_batch=6 rows do not split over dp_size=4"):
+        PackedLoader(store, seq_len=2, global_batch=6, dp_size=4)
+    with pytest.raises(ValueError, match="no 'val' documents; fix: prepare it with --val-fraction"):
+        PackedLoader(store, seq_len=2, global_batch=2, split="val")
+    with pytest.raises(ValueError, match="seq_len=1"):
+        PackedLoader(store, seq_len=1, global_batch=2)
+    with pytest.raises(ValueError, match="dp_rank=2"):
+        PackedLoader(store, seq_len=2, global_batch=2, dp_rank=2, dp_size=2)

@@ -1,0 +1,129 @@
+"""`pm.forward` and `pm.generate`: logits and greedy tokens equal to the single-device HF model under
+tp x fsdp, cp (zig-zag, Ulysses), pp and an expert-parallel MoE plan; seeded sampling reproducible;
+the HF module's own forward/generate refused with a pointer to them; bad inputs refused everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import meshkit
+from meshkit.generation import choose
+from meshkit.testing.reference import ModelSpec
+
+LOGITS_TOL = 2e-5  # fp32, logits of order 1; independent of the rank count
+DENSE = ModelSpec(layers=4, vocab=96)
+MOE = ModelSpec(layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
+MIXTRAL = ModelSpec(kind="mixtral", layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
+BATCH, SEQ, NEW = 4, 7, 6  # an odd length: every plan that splits the sequence must pad it
+
+
+def _prompts(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _rows(pm) -> slice:
+    per = BATCH // pm.dp_size
+    return slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+
+
+def _use_on_rank(plan: str, spec: ModelSpec) -> dict:
+    reference = spec.build()
+    pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
+    ids = _prompts(spec.vocab)
+    rows = _rows(pm)
+    with torch.no_grad():
+        ref_logits = reference(input_ids=ids, use_cache=False).logits
+    logits = pm.forward(ids[rows], gather=True)
+    sharded = pm.forward(ids[rows])
+    if isinstance(sharded, DTensor):
+        sharded = sharded.full_tensor()
+    # An eos the reference emits in this data rank's first row after a few steps: generation must stop
+    # that row and pad it, and the data ranks finish at different steps.
+    reference.generation_config.eos_token_id = None
+    free = reference.generate(ids[rows], max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    eos = int(free[0, SEQ + 2])
+    ref_tokens = reference.generate(ids[rows], max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    tokens = pm.generate(ids[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    return {"logits": (logits - ref_logits[rows]).abs().max().item(),
+            "sharded": (sharded - ref_logits[rows]).abs().max().item(),
+            "shape": tuple(logits.shape),
+            "tokens": tokens.tolist(), "ref_tokens": ref_tokens.tolist()}
+
+
+@pytest.mark.parametrize(
+    "plan, spec",
+    [
+        ("tp=2,dp_shard=2", DENSE),
+        ("cp=2,dp_shard=2,cp_attention=zigzag", DENSE),
+        ("cp=2,tp=2,cp_attention=ulysses", DENSE),
+        ("pp=2,dp_shard=2", DENSE),
+        ("pp=2,tp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2", DENSE),
+        ("dp_shard=2,tp=2,ep=2", MOE),
+        ("pp=2,dp_shard=2,ep=2", MIXTRAL),
+    ],
+)
+def test_logits_and_greedy_tokens_match_the_single_device_model(dist, plan, spec):
+    for rank, r in enumerate(dist(4).run(_use_on_rank, plan, spec)):
+        assert r["shape"][1:] == (SEQ, spec.vocab), f"{plan}, rank {rank}: logits shape {r['shape']}"
+        assert r["logits"] <= LOGITS_TOL, f"{plan}, rank {rank}: logits differ by {r['logits']:.3g}"
+        assert r["sharded"] <= LOGITS_TOL, f"{plan}, rank {rank}: vocab-sharded logits differ by {r['sharded']:.3g}"
+        assert r["tokens"] == r["ref_tokens"], f"{plan}, rank {rank}: {r['tokens']} vs HF {r['ref_tokens']}"
+
+
+def _sample_on_rank(plan: str, spec: ModelSpec) -> dict:
+    reference = spec.build()
+    pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
+    ids = _prompts(spec.vocab)[_rows(pm)]
+    first = pm.generate(ids, max_new_tokens=NEW, temperature=0.8, top_k=10, seed=7)
+    again = pm.generate(ids, max_new_tokens=NEW, temperature=0.8, top_k=10, seed=7)
+    other = pm.generate(ids, max_new_tokens=NEW, temperature=0.8, top_k=10, seed=8)
+    # The same draw on the single-device model, step by step without a cache.
+    generator, tokens = torch.Generator().manual_seed(7), ids
+    with torch.no_grad():
+        for _ in range(NEW):
+            logits = reference(input_ids=tokens, use_cache=False).logits[:, -1]
+            tokens = torch.cat([tokens, choose(logits, 0.8, 10, generator)[:, None]], dim=1)
+    return {"first": first.tolist(), "again": again.tolist(), "other": other.tolist(), "ref": tokens.tolist()}
+
+
+@pytest.mark.parametrize("plan", ["tp=2,dp_shard=2", "pp=2,cp=2,cp_attention=zigzag"])
+def test_sampling_is_reproducible_under_a_seed(dist, plan):
+    for rank, r in enumerate(dist(4).run(_sample_on_rank, plan, DENSE)):
+        assert r["first"] == r["again"], f"{plan}, rank {rank}: same seed, different samples"
+        assert r["first"] == r["ref"], f"{plan}, rank {rank}: {r['first']} vs single device {r['ref']}"
+        assert r["first"] != r["other"], f"{plan}, rank {rank}: another seed drew the same {NEW} tokens"
+
+
+def _hf_forward_after_parallelize(plan: str, call: str) -> None:
+    model = DENSE.build()
+    meshkit.parallelize(model, meshkit.Plan.from_string(plan))
+    ids = _prompts(DENSE.vocab)[:2]
+    if call == "forward":
+        model(input_ids=ids)
+    else:
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("plan", ["tp=2,dp_shard=2", "dp_shard=4"])
+@pytest.mark.parametrize("call", ["forward", "generate"])
+def test_the_hf_modules_own_forward_points_to_pm_forward(dist, plan, call):
+    for o in dist(4).run_raw(_hf_forward_after_parallelize, plan, call, timeout=30.0):
+        assert not o.ok and o.exc_type == "ValueError", f"rank {o.rank}: {o.exc_type}: {o.message}"
+        assert "pm.forward" in o.message and "pm.generate" in o.message, o.message
+
+
+def _bad_generate(what: str) -> None:
+    pm = meshkit.parallelize(DENSE.build(), meshkit.Plan.from_string("tp=2,dp_shard=2"))
+    ids = _prompts(DENSE.vocab)[:2]
+    if what == "token" and torch.distributed.get_rank() == 3:
+        ids[0, 0] = DENSE.vocab
+    pm.generate(ids, max_new_tokens=-1 if what == "length" else 2)
+
+
+@pytest.mark.parametrize("what, pattern", [("token", "outside the vocabulary"), ("length", "max_new_tokens=-1")])
+def test_bad_generation_input_raises_on_every_rank(dist, what, pattern):
+    for o in dist(4).run_raw(_bad_generate, what, timeout=30.0):
+        assert not o.ok and o.exc_type == "ValueError", f"rank {o.rank}: {o.exc_type}: {o.message}"
+        assert pattern in o.message, o.message

@@ -1,0 +1,173 @@
+"""Faults a cluster inflicts: a stopped rank is named by its peers; a killed rank under torchrun
+restarts and the run finishes exactly as if nothing had happened.
+
+The restart test is the one test here that launches `torchrun` (slow to start): the recipe trains a
+tiny Llama on 2 CPU ranks with `--resume auto` and `--max-restarts 1`; once the step-3 checkpoint is
+published the test SIGKILLs one worker, torchrun restarts the group, the same command resumes from
+the newest complete checkpoint, and the final loss (TensorBoard's scalar) and every parameter and
+optimizer tensor of the final checkpoint equal an uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import meshkit
+from meshkit import heartbeat
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "recipes") not in sys.path:
+    sys.path.insert(0, str(ROOT / "recipes"))
+train_llama = importlib.import_module("train_llama")
+train_config = importlib.import_module("train_config")
+
+
+# --------------------------------------------------------------------------------------- heartbeat
+
+
+def _stop_a_peer(namespace: str, timeout_s: float) -> list[str]:
+    """Rank 0 SIGSTOPs rank 1 and waits for its heartbeat to name it, then SIGCONTs it."""
+    rank = dist.get_rank()
+    pids: list[int | None] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    heard: list[str] = []
+    named = threading.Event()
+
+    def on_silent(silent: list[heartbeat.Silent]) -> None:
+        heard.extend(s.message(rank) for s in silent)
+        named.set()
+
+    beat = heartbeat.start_for_process_group(timeout_s, on_silent, namespace=namespace, interval_s=0.05)
+    beat.progress(7)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 is beating
+        assert not heard, heard
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            named.wait(30)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    dist.barrier()  # rank 1 sits here, stopped, until rank 0 continues it
+    beat.stop()
+    return heard
+
+
+def test_a_stopped_rank_is_named_by_its_peer(dist):
+    heard = dist(2).run(_stop_a_peer, uuid.uuid4().hex, 1.0)
+    assert len(heard[0]) == 1 and heard[0][0].startswith("meshkit: heartbeat: rank 1 has not been heard from for")
+    assert "its last beat was at step 7" in heard[0][0]
+    assert heard[1] == []  # the stopped rank, continued, does not blame the peer that stopped it
+
+
+# ------------------------------------------------------------------------------ torchrun restarts
+
+TOML = """
+[model]
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+vocab_size = 128
+max_position_embeddings = 128
+
+[plan]
+dp_shard = -1
+
+[train]
+steps = 9
+seq_len = 64
+local_batch = 4
+lr = 0.01
+warmup_steps = 1
+threads = 1
+log_every = 1
+save_every = 3
+resume = "auto"
+name = "run"
+heartbeat_s = 30
+timeout_s = 120
+"""
+
+
+def _uninterrupted(config: str, save_dir: str, log_dir: str) -> dict:
+    args = train_llama.build_parser().parse_args(["--config", config, "--save-dir", save_dir, "--log-dir", log_dir])
+    return train_llama.train(train_config.apply_cli(train_config.load_config(config), args))
+
+
+def _final_loss(log_dir: Path) -> float:
+    values = {}
+    for events in sorted((log_dir / "run").glob("events.*")):  # one file per launch, in launch order
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        values.update({e.step: e.value for e in acc.Scalars("train/loss")})
+    return values[max(values)]
+
+
+def _tensors(checkpoint_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    out = tmp / f"{checkpoint_dir.parent.name}.pt"
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if k.startswith(("model.", "optim.state."))}
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TOML)
+    ref_dir, ref_logs = tmp_path / "reference", tmp_path / "reference-runs"
+    reference = dist(2).run(_uninterrupted, str(config), str(ref_dir), str(ref_logs))[0]
+
+    save_dir, logs = tmp_path / "ckpt", tmp_path / "runs"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--monitor-interval", "0.2", str(ROOT / "recipes" / "train_llama.py"),
+               "--config", str(config), "--save-dir", str(save_dir), "--log-dir", str(logs)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed is None and time.monotonic() < deadline and launcher.poll() is None:
+            if (save_dir / "step-00000003").is_dir():
+                workers = _children(launcher.pid)
+                if workers:
+                    killed = workers[-1]
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.02)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert killed is not None, "the run ended before a worker could be killed:\n" + (output or "")[-3000:]
+    assert launcher.returncode == 0, output[-4000:]
+    assert "meshkit: resumed from" in output and f"{save_dir}/step-0000000" in output, output[-4000:]
+    assert output.count("meshkit: collective timeout 120 s, heartbeat 30 s") == 2  # [train] timeout_s, per launch
+
+    assert _final_loss(logs) == _final_loss(ref_logs) == reference["last_loss"]
+    ours, theirs = _tensors(save_dir / "step-00000009", tmp_path), _tensors(ref_dir / "step-00000009", tmp_path)
+    assert ours.keys() == theirs.keys() and len(ours) > 0
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert meshkit.checkpoint.verify(save_dir / "step-00000009") == []

@@ -1,0 +1,152 @@
+"""The recipe never loses a run: strict configs, pre-flight, non-finite steps, the save-dir policy.
+
+Config holes go through the real command line (`main`: exit status 2 and a message, no traceback);
+the training scenarios run the recipe's `train` on 2 gloo ranks with a tiny model, and compare the
+losses of resumed runs with the uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import meshkit
+from meshkit.state import checkpoint, manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "recipes") not in sys.path:
+    sys.path.insert(0, str(ROOT / "recipes"))  # as `python recipes/train_llama.py` sees its siblings
+train_llama = importlib.import_module("train_llama")
+train_config = importlib.import_module("train_config")
+preflight = importlib.import_module("preflight")
+checkpointing = importlib.import_module("checkpointing")
+
+TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
+TINY_TOML = "[model]\n" + "".join(f"{k} = {v}\n" for k, v in TINY_MODEL.items())
+
+
+# ------------------------------------------------------------------------ config holes (one process)
+
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ('[train]\nsteps = "6"', "[train] steps='6': must be an integer"),
+    ('[train]\nweight_decay = "lots"', "[train] weight_decay='lots': must be a number"),
+    ("[train]\nsave_every = -1", "[train] save_every=-1: must be >= 0"),
+    ("[train]\nlr = inf", "[train] lr=inf: must be a finite number"),
+    ('[train]\non_nonfinite = "ignore"', "[train] on_nonfinite='ignore': must be one of error, skip"),
+    ("[train]\nprofile = 1", "[train] profile=1: must be true or false"),
+    ("[data]\nbranching = 0", "[data] branching=0: must be >= 1"),
+    ("hiden_size = 48", "[model] hiden_size: not a field of LlamaConfig (llama); did you mean 'hidden_size'?"),
+], ids=["steps-str", "weight-decay-str", "save-every-negative", "lr-inf", "on-nonfinite", "bool", "branching",
+        "model-typo"])
+def test_config_holes_exit_2_with_a_message(tmp_path, capsys, table, expected):
+    preset = tmp_path / "bad.toml"
+    preset.write_text(TINY_TOML + table + "\n")
+    assert train_llama.main(["--config", str(preset), "--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: the configuration has problems" in err and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_missing_config_file_is_the_documented_exit_2(tmp_path, capsys):
+    assert train_llama.main(["--config", str(tmp_path / "missing.toml")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --config {tmp_path / 'missing.toml'}: no such file" in err and "Traceback" not in err
+
+
+def test_known_model_keys_and_presets_pass():
+    """Aliases HF consumes (rope_theta) are fields too: every shipped preset passes the key check."""
+    for preset in sorted((ROOT / "recipes" / "configs").glob("*.toml")):
+        run = train_config.load_config(str(preset))
+        config, _, _ = train_config.build_model_config(run.model)
+        assert preflight.model_key_problems(run.model, config) == [], preset.name
+        assert preflight.field_problems(run.train, "train") == [] and preflight.field_problems(run.data, "data") == []
+
+
+def test_shapes_are_checked_against_the_plan():
+    config, _, _ = train_config.build_model_config(dict(TINY_MODEL))
+    run = train_config.RunConfig(model=dict(TINY_MODEL), plan=meshkit.Plan(cp=2, dp_shard=2),
+                                 train=train_config.TrainConfig(seq_len=6))
+    with pytest.raises(ValueError, match="seq_len"):
+        preflight.check_config(run, config, world=4)
+    run = train_config.RunConfig(model=dict(TINY_MODEL), plan=meshkit.Plan(pp=2, dp_shard=2),
+                                 train=train_config.TrainConfig(local_batch=3))
+    with pytest.raises(ValueError, match=r"local_batch=3: the plan splits each batch into 2 pipeline microbatches"):
+        preflight.check_config(run, config, world=4)
+
+
+def test_save_dir_probe_and_free_space(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "is not writable" in preflight.save_dir_problem(str(blocker / "ckpt"), None)
+    assert "GiB free, one checkpoint needs about" in preflight.save_dir_problem(str(tmp_path / "ok"), 10**18)
+    assert preflight.save_dir_problem(str(tmp_path / "ok"), 1) is None
+    assert list((tmp_path / "ok").iterdir()) == []  # the probe file is gone
+    config, _, _ = train_config.build_model_config(dict(TINY_MODEL))
+    params = sum(math.prod(s) for s in ([64, 32], [64, 32]))  # embedding and head alone
+    assert preflight.checkpoint_bytes(config) > 12 * params
+
+
+# --------------------------------------------------------------------------- training (2 gloo ranks)
+
+
+def _train(settings: dict) -> dict:
+    cfg = train_config.TrainConfig(**{"steps": 4, "seq_len": 16, "local_batch": 2, "lr": 0.01, "warmup_steps": 1,
+                                      "threads": 1, "log_every": 100, "name": "t", **settings})
+    run = train_config.RunConfig(model=dict(TINY_MODEL), plan=meshkit.Plan(dp_shard=-1), train=cfg, source="tiny")
+    return train_llama.train(run)
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_save_dir_policy_resume_auto_load_step_keep_last(dist, tmp_path):
+    pool = dist(2)
+    root = tmp_path / "ckpt"
+    base = {"save_dir": str(root), "log_dir": str(tmp_path / "runs"), "save_every": 2, "resume": "auto"}
+    first = pool.run(_train, base)[0]  # the first launch: nothing to resume, a fresh run
+    assert _steps(root) == ["step-00000002", "step-00000004"]
+    run_id = manifest.read(root / "step-00000004")["run_id"]
+    assert first["run_id"] == run_id
+
+    # A new run (no resume) into a directory holding this run's checkpoints is refused, and so is
+    # resuming step 2 where it would save over step 4 of the same run (rank 0's decision, broadcast).
+    cfg = train_config.TrainConfig(**base)
+    assert "holds checkpoints of another run" in checkpointing.decide(replace(cfg, resume="")).error
+    assert "newer checkpoints of the resumed run" in checkpointing.decide(replace(cfg, load_step=2)).error
+    assert "no verifying checkpoint of that step" in checkpointing.decide(replace(cfg, load_step=3)).error
+    for o in pool.run_raw(_train, {**base, "resume": ""}):  # the refusal reaches every rank before training
+        assert o.exc_type == "ValueError" and "holds checkpoints of another run" in o.message, o.message
+    # With --overwrite: step 4 goes, step 2 resumes and steps 3-4 come out as before, this time saved
+    # in the background (async_save), and keep_last=1 deletes step 2 once the new step 4 is complete.
+    again = pool.run(_train, {**base, "load_step": 2, "overwrite": True, "keep_last": 1, "async_save": True})[0]
+    assert again["last_loss"] == first["last_loss"] and again["run_id"] == run_id
+    assert _steps(root) == ["step-00000004"]
+    assert checkpoint.verify(root / "step-00000004") == []
+
+    # Checkpoints exist but none verifies: --resume auto refuses to start over them, --overwrite does.
+    shard = root / "step-00000004" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "none verifies (skipping checkpoint" in checkpointing.decide(cfg).error
+    fresh = checkpointing.decide(replace(cfg, overwrite=True))
+    assert fresh.path is None and fresh.error is None and fresh.delete == [str(root / "step-00000004")]
+
+
+
+def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
+    pool = dist(2)
+    common = {"log_dir": str(tmp_path / "runs"), "save_every": 1, "lr": 1e30}  # step 1 blows the weights up
+    for o in pool.run_raw(_train, {**common, "save_dir": str(tmp_path / "error")}):
+        assert o.exc_type == "ValueError" and o.message.startswith("step 2: non-finite gradient norm"), o.message
+    assert _steps(tmp_path / "error") == ["step-00000001"]
+    skipped = pool.run(_train, {**common, "save_dir": str(tmp_path / "skip"), "on_nonfinite": "skip"})[0]
+    assert skipped["skipped_steps"] == [2, 3, 4]
+    for path in sorted((tmp_path / "skip").iterdir()):  # finite (save refuses anything else) and verified
+        assert checkpoint.verify(path) == [], path
