@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 from tests_support import assert_matches_reference
 
 import meshkit
@@ -41,7 +42,11 @@ def _compare_on_rank(plan: str, kind: str, batch: BatchSpec):
 
 
 def _train_one_step(plan: str, kind: str, batch: BatchSpec):
-    pm = meshkit.parallelize(family_spec(kind).build(), meshkit.Plan.from_string(plan))
+    model = family_spec(kind).build()
+    # Start validation together: the pool gives ranks a few seconds to follow a rank that raised, and
+    # building the model takes longer than that on a loaded machine.
+    torch.distributed.barrier()
+    pm = meshkit.parallelize(model, meshkit.Plan.from_string(plan))
     ids, labels = batch.make(64)
     pm.forward_backward(ids[:2], labels[:2])
 
@@ -57,7 +62,7 @@ def test_family_under_plan(dist, kind, shape):
         results = dist(4).run(_compare_on_rank, plan, kind, BATCH)
         assert_matches_reference(results, f"{kind} under {plan}")
         return
-    outcomes = dist(4).run_raw(_train_one_step, plan, kind, BATCH, timeout=60)
+    outcomes = dist(4).run_raw(_train_one_step, plan, kind, BATCH, timeout=300)
     for o in outcomes:
         assert not o.ok and isinstance(o.value, ValueError), f"rank {o.rank}: {o.exc_type}: {o.message}"
         assert refusal in o.message and "cp_attention='ulysses'" in o.message, o.message
