@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from meshkit.expert_parallel import expert_split_problem
-from meshkit.models import roles
+from meshkit.models import llama, roles
 from meshkit.models.moe import moe_spec
 
 if TYPE_CHECKING:
@@ -131,6 +131,7 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
             f"over {degree} ranks, and {degree} does not divide them; fix: use cp_attention='zigzag' or 'ring', or "
             f"a Ulysses degree that divides {heads // tp}"
         )
+    problems += llama.check_config(config, None, plan.cp_attention if plan.cp > 1 else None)
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         problems.append(

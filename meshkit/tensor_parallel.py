@@ -40,6 +40,11 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
             styles[name] = ColwiseParallel()
         elif role == "rowwise":
             styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+        elif role == "row_norm":
+            # A q/k norm over the whole projection (all heads) sees this rank's features (the last dim):
+            # as a DTensor sharded there, the mean of squares becomes a sum over tp (DTensor inserts the
+            # all-reduce, and its backward); the weight is Replicate and its gradient summed over tp.
+            styles[name] = SequenceParallel(sequence_dim=-1, use_local_output=True)
         elif role == "head_norm":
             # A per-head norm sees this rank's heads (dim 2 of [B, S, heads, head_dim]); its weight is
             # shared by all heads, so it must be a Replicate DTensor whose gradient sums over tp.
@@ -49,7 +54,9 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
                 styles[name] = _shared_input_grad(role)
             continue
         elif role == "seq_norm":
-            styles[name] = SequenceParallel()
+            # Local output: a post-norm (Gemma-2/3, GLM-4, OLMo-2) feeds the residual add, a plain
+            # tensor; a pre-norm feeds attention/MLP, whose PrepareModuleInput wraps it again.
+            styles[name] = SequenceParallel(use_local_output=True)
         elif role == "attention":
             # The gathered input stays a Replicate DTensor: q/k/v then share ONE reduce-scatter of
             # their input gradient in backward; local tensors would all-reduce it once per projection.
@@ -100,6 +107,7 @@ def apply_tensor_parallel(
         roles = roles_lib.block_roles(block, parts.config)
         rows = roles_lib.selected_rows(roles, parts.config, tp_mesh.size(), rank)
         apply_selected_rows(block, rows, tp_mesh)
+        roles_lib.localize_head_counts(block, roles, parts.config, tp_mesh.size())
         kept = {name: role for name, role in roles.items() if name not in rows}
         parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
     if sequence_parallel:

@@ -9,6 +9,10 @@ by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
   zig-zag ring, all-gather K/V, Ulysses, USP); absent when cp = 1;
 - `meshkit_doc_ids`: the document ids of the local shard of packed sequences; absent for one
   document per row.
+
+HF's own per-layer keywords are honoured too: `sliding_window`, `softcap` (attention-logit
+soft-capping) and `s_aux` (attention sinks) route the layer through `masked.quirk_attention`, on one
+rank or under Ulysses; the ring kinds refuse them (`Plan.validate` already did, naming the fix).
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshkit.context_parallel.allgather import allgather_attention
+from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import attention_block
+from meshkit.context_parallel.masked import has_quirks, quirk_attention
 from meshkit.context_parallel.ring import ring_attention
-from meshkit.context_parallel.ulysses import ulysses_attention
+from meshkit.context_parallel.ulysses import gather_seq, heads_to_seq, scatter_heads, ulysses_attention
 from meshkit.context_parallel.usp import usp_attention
 
 ATTENTION_NAME = "meshkit"
@@ -44,7 +51,10 @@ class ContextParallelAttention:
     ring_group: object = None
     grad_dtype: torch.dtype | None = None
 
-    def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None,
+                 quirks: dict | None = None) -> torch.Tensor:
+        if quirks:
+            return self._with_quirks(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks)
         if self.kind in ("ring", "zigzag"):
             return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
                                   scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)
@@ -66,6 +76,36 @@ class ContextParallelAttention:
             return out
         return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale,
                                               enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
+
+    def full_length(self, local_len: int) -> int:
+        """The whole sequence's length, from the local shard's (every kind splits it evenly)."""
+        if self.kind is None:
+            return local_len
+        if self.ulysses_group is not None:  # usp, or allgather with a Ulysses inner axis
+            return local_len * dist.get_world_size(as_group(self.ulysses_group)) * dist.get_world_size(
+                as_group(self.ring_group))
+        return local_len * dist.get_world_size(as_group(self.group))
+
+    def _with_quirks(self, q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks: dict) -> torch.Tensor:
+        """Windows, soft-capping, sinks: on whole sequences, so locally or after Ulysses' all-to-all."""
+        sinks_H = quirks.get("sinks_H")
+        if sinks_H is not None and sinks_H.shape[0] != q_BHSD.shape[1]:
+            raise ValueError(f"attention sinks for {sinks_H.shape[0]} heads but {q_BHSD.shape[1]} local query heads: "
+                             "meshkit does not split sinks over tp; fix: tp=1 for this model")
+        if self.kind is None:
+            return quirk_attention(q_BHSD, k_BHSD, v_BHSD, scale=scale, doc_ids_BS=doc_ids_BS, **quirks)
+        if self.kind != "ulysses":
+            raise ValueError(f"cp_attention={self.kind!r} merges blocks by log-sum-exp and does not apply "
+                             f"{sorted(quirks)}; fix: cp_attention='ulysses'")
+        group = as_group(self.group)
+        q_h, k_h, v_h = scatter_heads(q_BHSD, k_BHSD, v_BHSD, group)
+        docs_BS = gather_seq(None if doc_ids_BS is None else doc_ids_BS.to(q_BHSD.device), group)
+        if sinks_H is not None:
+            heads = q_h.shape[1]
+            start = dist.get_rank(group) * heads
+            quirks = {**quirks, "sinks_H": sinks_H[start:start + heads]}
+        out_h = quirk_attention(q_h, k_h, v_h, scale=scale, doc_ids_BS=docs_BS, **quirks)
+        return heads_to_seq(out_h, group)
 
 
 def _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS) -> torch.Tensor:
@@ -92,7 +132,13 @@ def meshkit_attention(module, query, key, value, attention_mask, dropout: float 
         raise ValueError("meshkit attention takes no attention_mask; pass packed sequences as position_ids")
     split = kwargs.get(CONTEXT_PARALLEL_KWARG) or ContextParallelAttention()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out_BHSD = split(query, key, value, scale, kwargs.get(DOC_IDS_KWARG))
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if window and window >= split.full_length(key.shape[2]):
+        window = None  # every key is inside the window: plain causal attention
+    quirks = None
+    if has_quirks(window, softcap, sinks):
+        quirks = {"sliding_window": window, "softcap": softcap, "sinks_H": sinks}
+    out_BHSD = split(query, key, value, scale, kwargs.get(DOC_IDS_KWARG), quirks)
     return out_BHSD.transpose(1, 2).contiguous(), None
 
 

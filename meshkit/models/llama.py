@@ -11,15 +11,20 @@ meshkit MoE layers first) share these names.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from meshkit.context_parallel import hf as cp_hf
 from meshkit.expert_parallel import MoE
+from meshkit.models import quirks as quirks_lib
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# The model types whose tiny configs pass the family tests (tests/models/test_families.py); the
+# README's support matrix lists them with every axis. The code below reads roles and quirks from
+# configs and module structure; this list only records what has been proven equal to HF.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2",
+                         "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "glm4", "helium")
 
 # Role of each layer inside a decoder block, by HF name relative to the block.
 #   colwise / rowwise : linear layers split on output / input features under TP
@@ -54,6 +59,7 @@ class CausalLMParts:
     rotary: nn.Module
     tied: bool
     config: object = None
+    quirks: quirks_lib.OuterQuirks = field(default_factory=quirks_lib.OuterQuirks)
 
 
 def attention_dims(config) -> tuple[int, int, int]:
@@ -100,7 +106,7 @@ def parts(model: nn.Module) -> CausalLMParts:
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
     return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied,
-                         model.config)
+                         model.config, quirks_lib.outer_quirks(model.config, inner.rotary_emb))
 
 
 def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
@@ -145,24 +151,47 @@ def moe_modules(parts: CausalLMParts) -> list[MoE]:
 
 
 def sliding_window_in_effect(config) -> int | None:
-    """The sliding window meshkit would ignore (it runs full causal attention), or None."""
+    """The sliding window some layers of this model attend within, or None.
+
+    Read from the config as HF's attention modules read it: `sliding_window`, unless a
+    `use_sliding_window` flag turns it off (Qwen2/3, SmolLM3) or no entry of `layer_types` is a
+    sliding layer.
+    """
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "use_sliding_window", True) is False:
         return None
-    if getattr(config, "model_type", None) in ("qwen2", "qwen3", "qwen3_moe") and not getattr(
-            config, "use_sliding_window", False):
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
         return None
     return int(window)
 
 
-def check_config(config, seq_len: int | None) -> list[str]:
-    """Model-specific problems a Plan cannot know about."""
+RING_KINDS = ("ring", "zigzag", "allgather", "usp")  # the kinds that run the plain causal kernel on blocks
+
+
+def check_config(config, seq_len: int | None, cp_attention: str | None = None) -> list[str]:
+    """Model-specific problems a Plan cannot know about: attention quirks the ring kinds of context
+    parallelism do not apply (`cp_attention`: the plan's kind when cp > 1, else None).
+
+    Ring attention merges per-block log-sum-exps with a plain causal mask; a window shorter than the
+    sequence, soft-capped scores or sinks change every block's scores, so those models need Ulysses
+    (whole sequences per rank) or cp = 1.
+    """
+    if cp_attention not in RING_KINDS:
+        return []
     problems = []
     window = sliding_window_in_effect(config)
     if window is not None and seq_len is not None and seq_len > window:
         problems.append(
-            f"seq_len={seq_len}: the model uses sliding-window attention (window {window}) and meshkit runs full "
-            f"causal attention; fix: use sequences of at most {window} tokens"
+            f"seq_len={seq_len}: the model attends within a sliding window of {window} tokens, which "
+            f"cp_attention={cp_attention!r} does not apply; fix: cp_attention='ulysses', or sequences of at most "
+            f"{window} tokens"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        problems.append(
+            f"attn_logit_softcapping={softcap}: soft-capped attention scores are not applied by "
+            f"cp_attention={cp_attention!r} (it merges plain causal blocks); fix: cp_attention='ulysses'"
         )
     return problems
 
@@ -200,13 +229,28 @@ def cache_keyword(block: nn.Module) -> str:
 def reset_rotary(rotary: nn.Module, device: torch.device) -> None:
     """Recompute rotary buffers, which are not parameters and come back empty from the meta device.
 
-    A fresh module of the same class computes them exactly as HF does for every rope type.
+    A fresh module of the same class computes them exactly as HF does for every rope type (and for
+    every layer type, Gemma-3's local and global bases); its plain attributes (attention scaling per
+    type) are copied too.
     """
     with torch.device("cpu"):
         fresh = type(rotary)(config=rotary.config)
     for name, buf in fresh.named_buffers(recurse=False):
         setattr(rotary, name, buf.to(device))
-    rotary.attention_scaling = fresh.attention_scaling
+    for name, value in vars(fresh).items():
+        if not name.startswith("_") and isinstance(value, (int, float, str, dict, list, tuple)):
+            setattr(rotary, name, value)
+
+
+def reset_scalar_buffers(model: nn.Module) -> None:
+    """Refill non-persistent scalar buffers that mirror a Python attribute `scalar_<name>` (Gemma's
+    embedding scale), which `to_empty` left as garbage and no checkpoint holds."""
+    for module in model.modules():
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            value = getattr(module, f"scalar_{name}", None)
+            buf = getattr(module, name, None)
+            if isinstance(value, (int, float)) and buf is not None and not buf.is_meta:
+                buf.fill_(value)
 
 
 def init_rule(name: str, config) -> tuple[str, float]:

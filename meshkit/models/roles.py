@@ -22,6 +22,8 @@ Roles (names relative to the block):
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 
 _PLAN_ROLES = {
@@ -118,6 +120,10 @@ def selected_rows(roles: dict[str, str], config, tp: int, rank: int) -> dict[str
     heads, kv_heads, head_dim = attention_dims(config)
     out: dict[str, list[tuple[int, int]]] = {}
     kv = kv_rows(config, tp, rank)
+    if kv is not None and "row_norm" in roles.values():
+        raise ValueError(f"tp={tp}: this model's q/k norms span the whole projection (all K/V heads), which a rank "
+                         f"holding replicated K/V heads cannot normalise; fix: tp of at most num_key_value_heads="
+                         f"{kv_heads} (a divisor of it)")
     for name, role in roles.items():
         if role == "kv_colwise" and kv is not None:
             out[name] = [kv]
@@ -136,6 +142,27 @@ def selected_rows(roles: dict[str, str], config, tp: int, rank: int) -> dict[str
             per = inter // tp
             out[name] = [(rank * per, (rank + 1) * per), (inter + rank * per, inter + (rank + 1) * per)]
     return out
+
+
+def localize_head_counts(block: nn.Module, roles: dict[str, str], config, tp: int) -> None:
+    """Make an attention with a packed [q | k | v] projection slice its local output by local counts.
+
+    Phi-3's attention cuts `qkv_proj`'s output at `config.num_attention_heads * head_dim` and reads
+    `self.num_key_value_heads`: global counts, wrong for the rank's shard. The module gets its own
+    shallow copy of the config with this rank's head counts (the model's config is untouched).
+    """
+    if "packed_qkv" not in roles.values():
+        return
+    heads, kv_heads, _ = attention_dims(config)
+    local_kv = kv_heads // tp if kv_heads % tp == 0 else 1
+    attn = block.get_submodule("self_attn")
+    view = copy.copy(attn.config)
+    view.num_attention_heads, view.num_key_value_heads = heads // tp, local_kv
+    attn.config = view
+    if hasattr(attn, "num_key_value_heads"):
+        attn.num_key_value_heads = local_kv
+    if hasattr(attn, "num_heads"):
+        attn.num_heads = heads // tp
 
 
 def tp_degree_problem(config, tp: int) -> str | None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from meshkit.context_parallel.hf import CONTEXT_PARALLEL_KWARG, DOC_IDS_KWARG, ContextParallelAttention
 from meshkit.models import llama
+from meshkit.models import quirks as quirks_lib
 
 
 class CausalLMStage(nn.Module):
@@ -36,6 +37,7 @@ class CausalLMStage(nn.Module):
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
         context_parallel: ContextParallelAttention | None = None,
+        quirks: quirks_lib.OuterQuirks | None = None,
         cache_keyword: str = "cache",
     ):
         super().__init__()
@@ -46,6 +48,7 @@ class CausalLMStage(nn.Module):
         self.lm_head = lm_head
         self.rotary = rotary
         self.context_parallel = context_parallel
+        self.quirks = quirks or quirks_lib.OuterQuirks()
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
@@ -54,19 +57,21 @@ class CausalLMStage(nn.Module):
         `cache` (generation only) is an object with HF's `update(key, value, layer_idx, ...)` that
         every attention layer hands its new keys and values to and takes the whole sequence's back.
         """
-        hidden = self.embed(inputs) if self.embed is not None else inputs
-        position_embeddings = self.rotary(hidden, position_ids)
+        quirks = self.quirks
+        hidden = quirks_lib.scale_embeddings(self.embed(inputs), quirks) if self.embed is not None else inputs
+        rope = quirks_lib.position_embeddings(self.rotary, hidden, position_ids, quirks)
         extra = {DOC_IDS_KWARG: doc_ids} if doc_ids is not None else {}
         if self.context_parallel is not None:
             extra[CONTEXT_PARALLEL_KWARG] = self.context_parallel
         if cache is not None:
             extra[self.cache_keyword] = cache
-        for block in self.layers.values():
-            hidden = llama.run_block(block, hidden, position_embeddings, position_ids, **extra)
+        for index, block in self.layers.items():
+            hidden = llama.run_block(block, hidden, rope[quirks_lib.layer_type(quirks, int(index))], position_ids,
+                                     **extra)
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.lm_head is not None:
-            hidden = self.lm_head(hidden)
+            hidden = quirks_lib.transform_logits(self.lm_head(hidden), quirks)
         return hidden
 
 
@@ -88,6 +93,7 @@ def build_stages(
             norm=parts.norm if s == last else None,
             lm_head=parts.lm_head if s == last else None,
             context_parallel=context_parallel,
+            quirks=parts.quirks,
             cache_keyword=llama.cache_keyword(parts.blocks[0]) if parts.blocks else "cache",
         )
         for s in stage_ids

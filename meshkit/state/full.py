@@ -97,6 +97,7 @@ def materialise(pm: ParallelModel) -> None:
         part.to_empty(device=pm.device)
         moe_models.init_moe_buffers(part, pm.device)  # balancing buffers are not parameters
     llama.reset_rotary(llama.parts(pm.model).rotary, pm.device)
+    llama.reset_scalar_buffers(pm.model)
 
 
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:

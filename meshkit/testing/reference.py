@@ -25,8 +25,20 @@ MODEL_CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
+    "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM),
 }
 HF_MOE_KINDS = ("mixtral", "qwen3_moe")
+# Families whose default special-token ids lie outside a tiny vocabulary: set them inside it.
+_SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_ORIGINAL_KINDS = ("llama", "qwen3", "qwen2", "mistral", "mixtral", "qwen3_moe")
 
 
 @dataclass
@@ -46,11 +58,12 @@ class ModelSpec:
     top_k: int = 2
     shared_expert: int = 0  # intermediate size of the MoE's shared expert (0: none)
     bias_update_rate: float = 0.0  # > 0: DeepSeek-V3 router-bias balancing
+    extra: tuple = ()       # (config field, value) pairs: the family's math-changing fields
 
     def config(self):
         """The HF config of this tiny model."""
         cfg_cls, _ = MODEL_CLASSES[self.kind]
-        extra = {}
+        extra = {} if self.kind in _ORIGINAL_KINDS else dict(_SPECIAL_TOKENS)
         if self.kind == "mixtral":
             extra = dict(num_local_experts=self.experts, num_experts_per_tok=self.top_k)
         elif self.kind == "qwen3_moe":
@@ -60,7 +73,7 @@ class ModelSpec:
             hidden_size=self.heads * self.head_dim, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, vocab_size=self.vocab, max_position_embeddings=256,
-            tie_word_embeddings=self.tied, attention_dropout=0.0, **extra,
+            tie_word_embeddings=self.tied, attention_dropout=0.0, **extra, **dict(self.extra),
         )
 
     def build(self, device: str = "cpu"):
@@ -74,7 +87,8 @@ class ModelSpec:
                     block.mlp = MoE(self.heads * self.head_dim, self.intermediate, self.experts, self.top_k,
                                     shared_intermediate_size=self.shared_expert,
                                     bias_update_rate=self.bias_update_rate)
-        model.config._attn_implementation = "sdpa"
+        # HF's eager attention where its SDPA path would drop a quirk (Gemma-2's soft-capping).
+        model.config._attn_implementation = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
         return model
 
 

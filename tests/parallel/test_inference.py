@@ -10,12 +10,14 @@ from torch.distributed.tensor import DTensor
 
 import meshkit
 from meshkit.generation import choose
+from meshkit.testing.families import family_spec
 from meshkit.testing.reference import ModelSpec
 
 LOGITS_TOL = 2e-5  # fp32, logits of order 1; independent of the rank count
 DENSE = ModelSpec(layers=4, vocab=96)
 MOE = ModelSpec(layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
 MIXTRAL = ModelSpec(kind="mixtral", layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
+GEMMA2 = family_spec("gemma2", vocab=96)  # soft-capping and a window shorter than the generated text
 BATCH, SEQ, NEW = 4, 7, 6  # an odd length: every plan that splits the sequence must pad it
 
 
@@ -62,6 +64,7 @@ def _use_on_rank(plan: str, spec: ModelSpec) -> dict:
         ("pp=2,tp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2", DENSE),
         ("dp_shard=2,tp=2,ep=2", MOE),
         ("pp=2,dp_shard=2,ep=2", MIXTRAL),
+        ("tp=2,dp_shard=2", GEMMA2),
     ],
 )
 def test_logits_and_greedy_tokens_match_the_single_device_model(dist, plan, spec):

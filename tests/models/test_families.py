@@ -1,0 +1,68 @@
+"""Every supported HF family x the three plan shapes on 4 ranks, against the single-device HF model:
+loss, every gathered gradient, clipped norm and parameters after two AdamW steps. Where a plan cannot
+apply the family's math (ring CP with soft-capping or a window shorter than the sequence), every rank
+must refuse with the reason and the fix before any collective.
+
+CI (the `ci` hypothesis profile) runs a representative subset (each quirk under each plan shape at
+least once); any other profile runs every family x plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from tests_support import assert_matches_reference
+
+import meshkit
+from meshkit.testing.families import FAMILY_FIELDS, family_spec, ring_refusal
+from meshkit.testing.reference import BatchSpec, compare_training
+
+PLANS = {
+    "tp": "tp=2,dp_shard=2",
+    "ring": "cp=2,dp_shard=2,cp_attention=ring",
+    "zigzag": "cp=2,dp_shard=2,cp_attention=zigzag",
+    "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
+    "pp": "pp=2,dp_shard=2,pp_microbatches=2",
+}
+# Each quirk under the shape most likely to break it, and one refusal: soft-capping, windows and
+# post-norms under TP; windows and rope per layer type under Ulysses; packed projections and the
+# whole-projection q/k norm under TP; multipliers across pipeline stages; NoPE layers under ring CP.
+CI_CASES = {
+    ("gemma2", "tp"), ("gemma2", "zigzag"), ("gemma3_text", "ulysses"), ("phi3", "tp"), ("olmo2", "tp"),
+    ("granite", "pp"), ("smollm3", "ring"),
+}
+FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
+BATCH = BatchSpec(batch=4, seq=8, documents=1)
+
+
+def _compare_on_rank(plan: str, kind: str, batch: BatchSpec):
+    return dataclasses.asdict(compare_training(plan, family_spec(kind), batch))
+
+
+def _train_one_step(plan: str, kind: str, batch: BatchSpec):
+    model = family_spec(kind).build()
+    # Start validation together: the pool gives ranks a few seconds to follow a rank that raised, and
+    # building the model takes longer than that on a loaded machine.
+    torch.distributed.barrier()
+    pm = meshkit.parallelize(model, meshkit.Plan.from_string(plan))
+    ids, labels = batch.make(64)
+    pm.forward_backward(ids[:2], labels[:2])
+
+
+CASES = [(kind, shape) for kind in FAMILY_FIELDS for shape in PLANS if FULL or (kind, shape) in CI_CASES]
+
+
+@pytest.mark.parametrize("kind, shape", CASES)
+def test_family_under_plan(dist, kind, shape):
+    plan = PLANS[shape]
+    refusal = ring_refusal(kind, BATCH.seq) if shape in ("ring", "zigzag") else None
+    if refusal is None:
+        results = dist(4).run(_compare_on_rank, plan, kind, BATCH)
+        assert_matches_reference(results, f"{kind} under {plan}")
+        return
+    outcomes = dist(4).run_raw(_train_one_step, plan, kind, BATCH, timeout=300)
+    for o in outcomes:
+        assert not o.ok and isinstance(o.value, ValueError), f"rank {o.rank}: {o.exc_type}: {o.message}"
+        assert refusal in o.message and "cp_attention='ulysses'" in o.message, o.message

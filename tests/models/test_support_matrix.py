@@ -1,0 +1,52 @@
+"""The README's model-family table stays true: one row per supported model type, every "tested" cell
+is a case of tests/models/test_families.py, every "refused" cell is a plan meshkit refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_families import PLANS
+
+from meshkit.models.llama import SUPPORTED_MODEL_TYPES
+from meshkit.testing.families import FAMILY_FIELDS, ring_refusal
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+COLUMNS = {"TP/SP x FSDP": ("tp",), "CP ring, zigzag": ("ring", "zigzag"), "CP ulysses": ("ulysses",),
+           "PP x FSDP": ("pp",)}
+
+
+def _family_table() -> tuple[list[str], dict[str, list[str]]]:
+    lines = README.read_text().split("### Model families", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:  # the first table after the heading, up to its end
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    body = {}
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        body[cells[0]] = cells
+    return header, body
+
+
+def test_every_family_has_a_row_and_every_row_a_family():
+    _, body = _family_table()
+    dense = {t for t in SUPPORTED_MODEL_TYPES if t not in ("mixtral", "qwen3_moe")}  # MoE: tests/expert_parallel
+    assert set(body) == dense, f"README rows {sorted(body)} vs supported dense types {sorted(dense)}"
+    assert set(FAMILY_FIELDS) == dense, "every supported dense type needs a tiny config in meshkit/testing/families.py"
+
+
+def test_cells_say_what_the_tests_run():
+    header, body = _family_table()
+    for kind, cells in body.items():
+        for column, shapes in COLUMNS.items():
+            cell = cells[header.index(column)]
+            for shape in shapes:
+                assert shape in PLANS
+                refused = shape in ("ring", "zigzag") and ring_refusal(kind, 8) is not None
+                if refused:
+                    assert cell.startswith("refused"), f"{kind} x {column}: meshkit refuses it, README says {cell!r}"
+                else:
+                    assert cell == "tested", f"{kind} x {column}: the family test runs it, README says {cell!r}"
