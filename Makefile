@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshkit-installed-$(TORCH)
 
-.PHONY: venv demo demo-synthetic demo-5d test lint bench clean
+.PHONY: venv demo demo-synthetic demo-5d test test-all lint bench clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ demo-5d: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# Every test, slow ones included, with many more hypothesis examples (about an hour on 2 cores).
+test-all: venv
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q
 
 lint: venv
 	$(VENV)/bin/ruff check meshkit recipes benchmarks tests
