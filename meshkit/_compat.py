@@ -305,20 +305,3 @@ def fsdp_after_unit_reduce(module, callback) -> None:
             return out
 
         group.post_backward = post_backward
-
-
-def destroy_subgroups() -> int:
-    """Destroy every process group but the default one; the number destroyed.
-
-    Each `init_device_mesh` creates gloo groups that live until the process ends, each with its own
-    transport threads that keep waking while idle. A long-lived test worker that builds hundreds of
-    meshes otherwise ends with hundreds of threads polling on a 2-core machine. torch has no public
-    list of live groups, hence `_world.pg_map`.
-    """
-    if not dist.is_initialized():
-        return 0
-    world = dist.GroupMember.WORLD
-    groups = [pg for pg in list(distributed_c10d._world.pg_map) if pg is not world]
-    for pg in groups:
-        dist.destroy_process_group(pg)
-    return len(groups)
