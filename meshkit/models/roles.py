@@ -105,6 +105,19 @@ def block_roles(block: nn.Module, config) -> dict[str, str]:
     return roles
 
 
+def outputs_edited_in_place(roles: dict[str, str], config) -> list[str]:
+    """The layers whose outputs the HF attention modifies in place: with `clip_qkv` (OLMo, OLMoE) it
+    clamps q, k and v in place right after their projections (after the q/k norms where there are
+    any). Under TP those outputs are views of DTensor shards, which must then be copied first."""
+    if not getattr(config, "clip_qkv", None):
+        return []
+    names = []
+    for part in ("q", "k", "v"):
+        norm, proj = f"self_attn.{part}_norm", f"self_attn.{part}_proj"
+        names += [norm] if norm in roles else [proj] if proj in roles else []
+    return names
+
+
 def kv_rows(config, tp: int, rank: int) -> tuple[int, int] | None:
     """The rows of a K/V projection rank `rank` computes when tp exceeds the K/V heads, or None
     when tp divides them (plain colwise). With tp = c * kv_heads, ranks [h*c, (h+1)*c) share head h."""
