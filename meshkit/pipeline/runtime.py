@@ -95,7 +95,7 @@ def run_schedule(
 
     `trace`, if given, receives this rank's measured timeline as `TraceEvent`s (what a profiler
     would show, at ~1 us per event): where a step's time goes beyond the stages' own compute, which
-    is what `benchmarks.pipeline.overhead` reconstructs into the critical path across ranks.
+    is what `benchmarks/pipeline/critical_path.py` reconstructs into the critical path across ranks.
     """
     entered = time.perf_counter()
     rank = dist.get_rank(pp_group)

@@ -96,3 +96,31 @@ def test_critical_path_sums_to_the_step(dist):
     step = max(r["t1"] for r in recs) - min(r["t0"] for r in recs)
     assert sum(path[c] for c in CATEGORIES) == pytest.approx(step, rel=1e-9, abs=1e-9)
     assert all(path[c] >= 0 for c in CATEGORIES) and path["stage code"] > 0
+
+
+def _dualpipe_worker() -> list:
+    trace: list[TraceEvent] = []
+    _run("dualpipe_v", trace)
+    return [(e.kind, e.what, e.start, e.end) for e in trace]
+
+
+def test_dualpipe_v_pairs_post_each_ones_transfers_around_the_others_compute(dist):
+    """DualPipeV's F/B pairing on CPU/gloo: in every F-then-backward pair on two different stages, the
+    backward's gradient receive is posted before the forward computes, and the forward's output send
+    is posted before the backward computes, so each one's transfer overlaps the other's compute."""
+    pp = 2
+    schedule = build_schedule("dualpipe_v", pp, M)
+    owner = schedule.stage_to_rank()
+    pairs = 0
+    for rank, events in enumerate(dist(pp).run(_dualpipe_worker)):
+        posted = {str(a): e[3] for e in events if e[0] == "post" for a in e[1]}
+        computes = [e for e in events if e[0] == "compute"]
+        for (_, f, f_start, _), (_, b, b_start, _) in zip(computes, computes[1:]):
+            if f.kind is not K.F or b.kind not in (K.B, K.BW) or f.stage == b.stage:
+                continue
+            pairs += 1
+            if b.stage + 1 < schedule.num_stages and owner[b.stage + 1] != rank:
+                assert posted[f"RECV_B{b.stage}.{b.microbatch}"] <= f_start, f"rank {rank}: {f}, {b}"
+            if f.stage + 1 < schedule.num_stages and owner[f.stage + 1] != rank:
+                assert posted[f"SEND_F{f.stage}.{f.microbatch}"] <= b_start, f"rank {rank}: {f}, {b}"
+    assert pairs >= pp, "the steady phase pairs forwards with backwards"
