@@ -176,11 +176,19 @@ def span_bubble(result: SimulationResult) -> Fraction:
 
 
 def expected_sequences(schedule: Schedule, torch_first_stage: bool = False) -> list[str]:
-    """Per rank, the sleeps its actions trigger; torch's first stage sleeps nothing in B and both in W."""
-    sleeps = dict(SLEEPS_OF)
-    first = {**sleeps, ActionKind.B: "", ActionKind.W: "WB"} if torch_first_stage else sleeps
-    return ["".join((first if a.stage == 0 else sleeps)[a.kind] for a in actions)
-            for actions in compute_only(schedule).ranks]
+    """Per rank, the sleeps its actions trigger; torch's first stage sleeps nothing in B and both in W.
+
+    On a meshkit rank whose list has W actions (DualPipeV mixes B/W with BW), the linears defer their
+    weight gradients in every backward, so a BW sleeps B first and then runs its W (the hook) at once.
+    """
+    out = []
+    for actions in compute_only(schedule).ranks:
+        sleeps = dict(SLEEPS_OF)
+        if not torch_first_stage and any(a.kind is ActionKind.W for a in actions):
+            sleeps[ActionKind.BW] = "BW"
+        first = {**sleeps, ActionKind.B: "", ActionKind.W: "WB"} if torch_first_stage else sleeps
+        out.append("".join((first if a.stage == 0 else sleeps)[a.kind] for a in actions))
+    return out
 
 
 def sequence_check(expected: list[str], got: list[str]) -> str:
