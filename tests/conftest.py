@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+from ci_subset import SLOW_CASES
 from hypothesis import HealthCheck, settings
 
 from meshkit.testing import WorkerPool
@@ -56,7 +57,15 @@ RUN_SLOW = PROFILE != "ci" or os.environ.get("MESHKIT_SLOW") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip slow tests under the ci profile, saying how to run them."""
+    """Mark the cases of `ci_subset.SLOW_CASES` slow; skip slow tests under the ci profile."""
+    by_id = {item.nodeid: item for item in items}
+    for nodeid in SLOW_CASES:
+        if nodeid in by_id:
+            by_id[nodeid].add_marker(pytest.mark.slow)
+    whole_suite = not config.args or [os.path.normpath(a) for a in config.args] == ["tests"]
+    missing = [n for n in SLOW_CASES if n not in by_id]
+    if whole_suite and not config.option.keyword and not config.option.markexpr and missing:
+        raise pytest.UsageError(f"tests/ci_subset.py names tests that no longer exist: {missing}")
     if RUN_SLOW:
         return
     skip = pytest.mark.skip(reason="slow: runs under `make test-all` (HYPOTHESIS_PROFILE=dev) or MESHKIT_SLOW=1")
