@@ -172,7 +172,8 @@ def sleep_report(args: argparse.Namespace, results: dict[int, list[dict]],
              "Ideal = meshkit's simulator at the configured costs and zero P2P latency; 'sim at measured sleeps' "
              "replays the schedule with the sleep durations actually observed (oversleep on a loaded machine), so "
              "that ratio is the runtime's own overhead. Bubble = idle share of ranks x step. 'sleeps in schedule "
-             "order': every rank's recorded F/B/W sleeps equal its action list (BW = the W hook, then B). "
+             "order': every rank's recorded F/B/W sleeps equal its action list (BW = the W hook, then B; B, then "
+             "W on a rank whose list also has Ws). "
              "'implied overhead per action': the fixed time added to every F/B/W/BW at which the simulator "
              "reproduces the measured step (all runtime overhead charged to the actions).", ""]
     for world in worlds:
@@ -190,7 +191,9 @@ def sleep_report(args: argparse.Namespace, results: dict[int, list[dict]],
               "Rebuilt from every rank's `run_schedule(trace=...)` timeline and its sleeps "
               "(`benchmarks/pipeline/critical_path.py`): from the rank that finished last, back through every "
               "receive whose sender posted after the wait began. The categories sum to the step; 'sleeps' is the "
-              "stages' stand-in compute, 'dispatch' a compute action's own time outside its sleeps and waits, "
+              "stages' stand-in compute, 'stage code' the rest of the model's own work around them (the stage "
+              "module and loss, autograd's backward, the deferred W matmuls: what torch runs too), 'runtime in "
+              "actions' a compute action's time outside its stage code and waits, "
               "'delivery' a message in flight while its receiver waited, 'loop' the executor between actions, "
               "'start/end' the path's start after the first rank's (barrier skew) and the timing harness. Median "
               "ms over repetitions.", ""]

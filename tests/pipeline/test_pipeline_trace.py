@@ -124,3 +124,26 @@ def test_dualpipe_v_pairs_post_each_ones_transfers_around_the_others_compute(dis
             if f.stage + 1 < schedule.num_stages and owner[f.stage + 1] != rank:
                 assert posted[f"SEND_F{f.stage}.{f.microbatch}"] <= b_start, f"rank {rank}: {f}, {b}"
     assert pairs >= pp, "the steady phase pairs forwards with backwards"
+
+
+def test_critical_path_follows_the_message_the_last_rank_waited_for():
+    """A hand-made 2-rank gpipe step (m=1): rank 1 waits for rank 0's send, so the path is rank 0
+    up to its send, the delivery, then rank 1; every interval lands in its category."""
+    schedule = build_schedule("gpipe", 2, 1)
+    rank0 = {"t0": 0.0, "t1": 10.0, "sleeps": [("F", 1.0, 3.0), ("B", 7.0, 8.0)], "trace": [
+        ("compute", "F0.0", 0.5, 3.5), ("stage", "F0.0", 0.8, 3.2), ("post", ("SEND_F0.0", "RECV_B0.0"), 3.5, 4.0),
+        ("compute", "BW0.0", 4.0, 9.0), ("wait", "RECV_B0.0", 4.1, 6.0), ("stage", "BW0.0", 6.5, 8.5),
+        ("call", "gpipe", 0.2, 9.5)]}
+    rank1 = {"t0": 0.1, "t1": 20.0, "sleeps": [("F", 5.0, 7.0)], "trace": [
+        ("post", ("RECV_F1.0",), 0.3, 0.4), ("compute", "F1.0", 0.4, 8.0), ("wait", "RECV_F1.0", 0.5, 4.5),
+        ("stage", "F1.0", 4.6, 7.5), ("call", "gpipe", 0.2, 19.0)]}
+    path = critical_path(schedule, [rank0, rank1])
+    assert path["hops"] == 1
+    # rank 1 after its wait (4.5 .. 20): stage code 2.9 - 2.0 of sleep, action bookkeeping 8.0-4.5-2.9,
+    # loop 8.0 .. 19.0, end 19.0 .. 20.0; delivery 4.0 .. 4.5; rank 0 from 0.0 to its post's end (4.0):
+    # start 0.0 .. 0.2, loop 0.2 .. 0.5, stage code 2.4 - 2.0, bookkeeping 3.0 - 2.4, post 3.5 .. 4.0
+    expected = {"sleeps": 2.0 + 2.0, "stage code": 0.9 + 0.4, "runtime in actions": 0.6 + 0.6,
+                "P2P post": 0.5, "delivery": 0.5, "loop": 11.0 + 0.3, "start/end": 1.0 + 0.2}
+    for category, seconds in expected.items():
+        assert path[category] == pytest.approx(seconds, abs=1e-9), category
+    assert sum(path[c] for c in CATEGORIES) == pytest.approx(20.0)
