@@ -210,6 +210,11 @@ def tp_degree_problem(config, tp: int) -> str | None:
     they are replicated), so that every rank's query heads read whole K/V heads.
     """
     heads, kv_heads, _ = attention_dims(config)
+    if tp > 1 and getattr(config, "kv_lora_rank", None):
+        return (f"tp={tp}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V3) computes its "
+                f"q and kv latents and the shared rope key once for all heads; meshkit does not split it over tp "
+                f"(the model declares no attention tp plan either), so the largest tp that works is 1; fix: tp=1 "
+                f"and shard with dp_shard, cp, pp and ep")
     if tp <= 1 or (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         return None
     ok = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]

@@ -318,10 +318,11 @@ def test_layer_matches_dense_fp64_loop(data):
     _close(moe(x).double(), _dense_reference(moe, x), "output vs fp64 loop", atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_layer_equals_hf_sparse_blocks(model):
     """HF's state dict loads as is and gives the outputs of HF's blocks, to the bit in fp32
-    (Qwen2-MoE: with its shared expert scaled by sigmoid(shared_expert_gate))."""
+    (Qwen2-MoE: with its shared expert scaled by sigmoid(shared_expert_gate); DeepSeek-V3: sigmoid
+    scores, group-limited top-k under a selection bias that decides, routed scaling, shared experts)."""
     options = {}
     if model == "mixtral":
         from transformers import MixtralConfig
@@ -335,6 +336,15 @@ def test_layer_equals_hf_sparse_blocks(model):
 
         config, normalize = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6,
                                            num_experts_per_tok=2, norm_topk_prob=False), False
+    elif model == "deepseek_v3":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+
+        config, normalize = DeepseekV3Config(hidden_size=16, moe_intermediate_size=8, n_routed_experts=6,
+                                             num_experts_per_tok=2, n_group=3, topk_group=2, n_shared_experts=1,
+                                             routed_scaling_factor=2.5), True
+        options = dict(score_func="sigmoid", n_group=3, topk_group=2, route_scale=2.5, shared_intermediate_size=8,
+                       shared_expert_name="shared_experts", bias_in_gate=True)
     else:
         from transformers import Qwen2MoeConfig
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
@@ -348,6 +358,8 @@ def test_layer_equals_hf_sparse_blocks(model):
     hf = Block(config)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.4)
+    for b in hf.buffers():  # DeepSeek-V3's selection bias: large enough to change the chosen experts
+        torch.nn.init.normal_(b, std=0.4)
     moe = MoE(16, 8, 6, 2, normalize_topk=normalize, **options)
     moe.load_state_dict(hf.state_dict())  # same names, same layout: strict loading, no conversion
     x = torch.randn(3, 5, 16)
