@@ -107,6 +107,8 @@ class MoESpec:
     top_k: int
     intermediate_size: int
     layers: tuple[int, ...]  # indices of the decoder blocks that are MoE
+    shared_intermediate_size: int = 0  # the shared expert every token runs (Qwen2-MoE, DeepSeek-V3)
+    shared_gate: bool = False  # Qwen2-MoE's [1, H] sigmoid gate on the shared expert
 
 
 def moe_spec(config: Any) -> MoESpec | None:
@@ -118,12 +120,16 @@ def moe_spec(config: Any) -> MoESpec | None:
                        tuple(range(n_layers)))
     if model_type == "deepseek_v3":
         return MoESpec(config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                       tuple(range(int(config.first_k_dense_replace or 0), n_layers)))
+                       tuple(range(int(config.first_k_dense_replace or 0), n_layers)),
+                       shared_intermediate_size=config.moe_intermediate_size * int(config.n_shared_experts or 0))
     if model_type == "olmoe":
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.intermediate_size, tuple(range(n_layers)))
     if model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = max(int(config.decoder_sparse_step), 1), set(config.mlp_only_layers or ())
         layers = tuple(i for i in range(n_layers) if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
+        if model_type == "qwen2_moe":
+            return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, layers,
+                           shared_intermediate_size=config.shared_expert_intermediate_size, shared_gate=True)
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, layers)
     options = getattr(config, LLAMA_MOE_KEY, None)
     if options:

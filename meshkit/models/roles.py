@@ -48,6 +48,35 @@ def attention_dims(config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+def score_value_dims(config) -> tuple[int, int, int]:
+    """(query heads, per-head dim of the scores q.k, per-head dim of the values): head_dim twice,
+    except for multi-head latent attention (DeepSeek-V3), whose scores use qk_nope + qk_rope dims
+    and whose values use v_head_dim. What attention FLOPs are made of."""
+    heads, _, head_dim = attention_dims(config)
+    if getattr(config, "kv_lora_rank", None):
+        return heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    return heads, head_dim, head_dim
+
+
+def attention_params(config) -> int:
+    """Parameters of one block's attention from the config alone: Llama's q/k/v/o (with biases when
+    `attention_bias`), or multi-head latent attention's down projections, latent norms and up
+    projections. Small extras the config does not name (q/k norms, Qwen2's biases) are not counted."""
+    h = config.hidden_size
+    heads, kv_heads, d = attention_dims(config)
+    if not getattr(config, "kv_lora_rank", None):
+        attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+        if getattr(config, "attention_bias", False):
+            attn += heads * d + 2 * kv_heads * d + h
+        return attn
+    _, d_qk, d_v = score_value_dims(config)
+    q_rank, kv_rank, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+    q = h * heads * d_qk if q_rank is None else h * q_rank + q_rank + q_rank * heads * d_qk
+    kv = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (config.qk_nope_head_dim + d_v)
+    bias = (0 if q_rank is None else q_rank) + kv_rank + rope + h if getattr(config, "attention_bias", False) else 0
+    return q + kv + heads * d_v * h + bias
+
+
 def declared_block_plan(config) -> dict[str, str]:
     """The config's tensor-parallel plan for one decoder block: {name in block: HF style}."""
     plan = getattr(config, "base_model_tp_plan", None) or _DEFAULT_PLAN
