@@ -700,3 +700,20 @@ def test_one_host_sync_per_layer(dist):
     case = Case(world=2, ep=2, experts=4, top_k=2, hidden=8, inter=4, tokens=(7, 4), shared=4, seed=8)
     for counts in dist(2).run(_host_sync_worker, case):
         assert counts == [1, 1]
+
+
+def test_hf_selection_bias_is_the_one_updated_and_kept_fp32():
+    """With `bias_in_gate` (converted DeepSeek-V3) the bias that routes is HF's persistent
+    `gate.e_score_correction_bias`: the loss-free balancing step moves it against the load, `.to(bf16)`
+    keeps it fp32, and the state dict carries it under HF's name with no meshkit-only `expert_bias`."""
+    torch.manual_seed(0)
+    moe = MoE(8, 4, 4, 1, score_func="sigmoid", bias_in_gate=True, bias_update_rate=0.5)
+    assert "gate.e_score_correction_bias" in moe.state_dict() and "expert_bias" not in moe.state_dict()
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(torch.tensor([3.0, 0.0, 0.0, 0.0]))  # expert 0 takes everything
+    moe(torch.randn(2, 5, 8))
+    assert moe.load_counts_E.tolist() == [10, 0, 0, 0]
+    moe.update_bias()
+    assert moe.gate.e_score_correction_bias.tolist() == [2.5, 0.5, 0.5, 0.5]
+    moe.to(torch.bfloat16)
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
