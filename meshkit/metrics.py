@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshkit.models.llama import attention_dims
+from meshkit.models import roles
 from meshkit.models.moe import moe_spec
 
 # ------------------------------------------------------------------------------------------ FLOPs
@@ -73,10 +73,7 @@ def block_params(config: Any) -> int:
     the (meta) model: those parameters feed no matmul, so the FLOP count differs only by them.
     """
     h, inter = config.hidden_size, config.intermediate_size
-    heads, kv_heads, d = attention_dims(config)
-    attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
-    if getattr(config, "attention_bias", False):
-        attn += heads * d + 2 * kv_heads * d + h
+    attn = roles.attention_params(config)
     mlp = 3 * h * inter
     if getattr(config, "mlp_bias", False):
         mlp += 2 * inter + h
@@ -101,7 +98,8 @@ def active_block_params(config: Any, layer: int = 0) -> int:
         return block_params(config)
     dense_mlp = 3 * config.hidden_size * config.intermediate_size
     active = spec.top_k * 3 * config.hidden_size * spec.intermediate_size + spec.num_experts * config.hidden_size
-    return block_params(config) - dense_mlp + active
+    shared = 3 * config.hidden_size * spec.shared_intermediate_size + (config.hidden_size if spec.shared_gate else 0)
+    return block_params(config) - dense_mlp + active + shared
 
 
 def count_nonembedding_params(model: torch.nn.Module) -> int:
@@ -123,7 +121,7 @@ def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "
     if activation_checkpointing not in ("none", "selective", "full"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: must be none, selective or full")
     n = nonembedding_params(config) if n_nonembedding is None else n_nonembedding
-    heads, _, d = attention_dims(config)
+    heads, d_qk, d_v = roles.score_value_dims(config)
     layers = config.num_hidden_layers
     spec = moe_spec(config)
     moe_layers = set(spec.layers) if spec is not None else set()
@@ -132,9 +130,9 @@ def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "
     # A dense block's last matmul (down_proj) is not re-run; an MoE block's experts are, because the
     # combine's weighting saves their outputs (see module doc).
     recompute = float(sum(
-        4 * heads * d * seq_len + 2 * active_block_params(config, i)
+        2 * heads * (d_qk + d_v) * seq_len + 2 * active_block_params(config, i)
         - (0 if i in moe_layers else 2 * config.intermediate_size * config.hidden_size) for i in full))
-    return FlopsPerToken(dense=6.0 * n, attention=12.0 * layers * heads * d * seq_len, recompute=recompute)
+    return FlopsPerToken(dense=6.0 * n, attention=6.0 * layers * heads * (d_qk + d_v) * seq_len, recompute=recompute)
 
 
 # ------------------------------------------------------------------------------------ peak FLOP/s

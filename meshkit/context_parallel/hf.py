@@ -138,8 +138,22 @@ def meshkit_attention(module, query, key, value, attention_mask, dropout: float 
     quirks = None
     if has_quirks(window, softcap, sinks):
         quirks = {"sliding_window": window, "softcap": softcap, "sinks_H": sinks}
-    out_BHSD = split(query, key, value, scale, kwargs.get(DOC_IDS_KWARG), quirks)
+    query, key, value, v_dim = _equal_head_dims(query, key, value)
+    out_BHSD = split(query, key, value, scale, kwargs.get(DOC_IDS_KWARG), quirks)[..., :v_dim]
     return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def _equal_head_dims(q_BHSD, k_BHSD, v_BHSD):
+    """q/k and v with one head dim, and v's own: multi-head latent attention (DeepSeek-V3) has
+    qk_nope + qk_rope dims for scores and v_head_dim for values, while every kernel (and the ring's
+    packed K/V buffer) takes one. Zero columns are exact: appended to v they give zero output
+    columns, cut off after; appended to q and k they add nothing to the scores (the scale is passed)."""
+    dq, dv = q_BHSD.shape[-1], v_BHSD.shape[-1]
+    if dv < dq:
+        v_BHSD = F.pad(v_BHSD, (0, dq - dv))
+    elif dv > dq:
+        q_BHSD, k_BHSD = F.pad(q_BHSD, (0, dv - dq)), F.pad(k_BHSD, (0, dv - dq))
+    return q_BHSD, k_BHSD, v_BHSD, dv
 
 
 def register() -> str:

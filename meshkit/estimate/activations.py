@@ -37,6 +37,7 @@ from meshkit._compat import fake_tensor_mode, storage_key
 from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models import llama
+from meshkit.models import quirks as quirks_lib
 from meshkit.models.moe import moe_spec
 from meshkit.step import loss as loss_lib
 
@@ -138,8 +139,11 @@ def _trace_block_cached(config_json: str, seq: int, tp: int, dtype: str) -> Bloc
     with mode:
         hidden = torch.empty(1, seq, block_hidden(parts), dtype=DTYPES[dtype], requires_grad=True)
         positions = torch.arange(seq).unsqueeze(0)
-        cos, sin = rotary(hidden, positions)
-        rotary_keys = {storage_key(t) for t in (cos, sin)}
+        # Rotary per layer type (Gemma-3's local and global bases) as the stage computes it; the
+        # traced block is block 0, so it gets block 0's type.
+        by_type = quirks_lib.position_embeddings(rotary, hidden, positions, parts.quirks)
+        cos, sin = by_type[quirks_lib.layer_type(parts.quirks, 0)]
+        rotary_keys = {storage_key(t) for pair in by_type.values() for t in pair}
         recorder = Recorder(params)
         with recording(recorder, module_parts, "residual"):
             llama.run_block(block, hidden, (cos, sin), positions)

@@ -37,7 +37,7 @@ from meshkit.estimate.memory import RankMemory, model_state, rank_memory, stage_
 from meshkit.estimate.offload import OffloadCost, offload_cost
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
-from meshkit.models import llama
+from meshkit.models import llama, roles
 from meshkit.models.moe import moe_spec
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.pipeline.simulate import Costs, simulate
@@ -133,8 +133,8 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     flops = metrics.flops_per_token(config, workload.seq, plan.activation_checkpointing,
                                     moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
     share = workload.mbs * workload.seq / (plan.tp * plan.cp) / (device.peak_flops * workload.mfu)
-    heads, _, d = llama.attention_dims(config)
-    t_layer_fwd = (2 * metrics.active_block_params(config) + 4 * heads * d * workload.seq) * share
+    heads, d_qk, d_v = roles.score_value_dims(config)
+    t_layer_fwd = (2 * metrics.active_block_params(config) + 2 * heads * (d_qk + d_v) * workload.seq) * share
     t_layer_rec = flops.recompute * share / config.num_hidden_layers
     t_stage_fwd = flops.model / 3 * share / plan.pp
     t_stage_rec = flops.recompute * share / plan.pp
@@ -185,9 +185,9 @@ def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
             llama.run_block(block, x, parts.rotary(x, pos), pos).sum().backward()
     finally:
         acts.pin_attention(block)
-    heads, _, d = llama.attention_dims(config)
+    heads, d_qk, d_v = roles.score_value_dims(config)
     params = metrics.block_params(config) - 2 * config.hidden_size
     if moe_spec(config) is not None:  # build_block made the MLP an Identity
         params -= 3 * config.hidden_size * config.intermediate_size
-    formula = 6.0 * params * seq + 12.0 * heads * d * seq * seq
+    formula = 6.0 * params * seq + 6.0 * heads * (d_qk + d_v) * seq * seq
     return float(counter.get_total_flops()), formula

@@ -91,7 +91,10 @@ class MoE(nn.Module):
 
     Balancing: `aux_loss_coef` (Switch, Megatron scale), `z_loss_coef`, and `bias_update_rate` > 0
     for DeepSeek-V3's loss-free balancing (an fp32 `expert_bias` added to the scores for selection
-    only, moved by `update_expert_biases` once per step).
+    only, moved by `update_expert_biases` once per step; with `bias_in_gate` the bias is HF's
+    `gate.e_score_correction_bias`, loaded from and saved to HF checkpoints). DeepSeek-V3 routing:
+    `score_func="sigmoid"`, `n_group`/`topk_group` (group-limited top-k), `route_scale` (its
+    `routed_scaling_factor`); its shared expert lives under `shared_expert_name="shared_experts"`.
     """
 
     def __init__(
@@ -104,8 +107,12 @@ class MoE(nn.Module):
         score_func: Literal["softmax", "sigmoid"] = "softmax",
         normalize_topk: bool = True,
         route_scale: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
         shared_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
+        shared_expert_name: str = "shared_expert",
+        bias_in_gate: bool = False,
         capacity_factor: float | None = None,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
@@ -120,12 +127,18 @@ class MoE(nn.Module):
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
+        if n_group > 1 and (num_experts % n_group or num_experts // n_group < 2 or not 1 <= topk_group <= n_group
+                            or top_k > topk_group * (num_experts // n_group)):
+            raise ValueError(f"n_group={n_group}, topk_group={topk_group}: group-limited routing needs n_group to divide "
+                             f"num_experts={num_experts} into groups of at least 2, 1 <= topk_group <= n_group, and "
+                             f"top_k={top_k} experts within topk_group groups")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be positive, or None for dropless")
         factory = {"device": device, "dtype": dtype}
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.normalize_topk, self.route_scale = score_func, normalize_topk, route_scale
+        self.n_group, self.topk_group = n_group, topk_group
         self.capacity_factor = capacity_factor
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.init_std = init_std
@@ -137,21 +150,30 @@ class MoE(nn.Module):
 
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
         self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, expert_backend, **factory)
-        self.shared_expert = (
-            SwiGLU(hidden_size, shared_intermediate_size, **factory) if shared_intermediate_size else None
-        )
+        # The shared expert goes by the HF name of the model it came from (DeepSeek: `shared_experts`).
+        self._shared_name = shared_expert_name
+        if shared_intermediate_size:
+            # Not add_module: it refuses the name `shared_expert`, which the class has as a property.
+            self._modules[shared_expert_name] = SwiGLU(hidden_size, shared_intermediate_size, **factory)
         if shared_expert_gate and not shared_intermediate_size:
             raise ValueError("shared_expert_gate=True needs a shared expert; fix: set shared_intermediate_size")
         # Qwen2-MoE: the shared expert's output is scaled per token by sigmoid(x . w), w one [1, H] row.
         self.shared_expert_gate = (
             nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
         )
-        if bias_update_rate > 0:
+        # The selection bias: meshkit's `expert_bias`, or (`bias_in_gate`) HF DeepSeek-V3's persistent
+        # `gate.e_score_correction_bias`, which a checkpoint carries and HF routes with.
+        if bias_update_rate > 0 and not bias_in_gate:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        else:
+            self.expert_bias = None
+        if bias_in_gate:
+            self.gate.register_buffer("e_score_correction_bias",
+                                      torch.zeros(num_experts, dtype=torch.float32, device=device))
+        if bias_update_rate > 0:
             self.register_buffer("load_counts_E", torch.zeros(num_experts, dtype=torch.int64, device=device),
                                  persistent=False)
         else:
-            self.expert_bias = None
             self.load_counts_E = None
 
         # Reported, never silent.
@@ -168,16 +190,28 @@ class MoE(nn.Module):
             self.reset_parameters()
 
     @property
+    def shared_expert(self) -> nn.Module | None:
+        """The shared expert (every token, unrouted), whatever HF name it is registered under."""
+        return self._modules.get(self._shared_name)
+
+    @property
+    def selection_bias(self) -> Tensor | None:
+        """The fp32 [E] bias added to the scores for choosing experts (never for weighting them)."""
+        return self.expert_bias if self.expert_bias is not None else getattr(self.gate, "e_score_correction_bias", None)
+
+    @property
     def num_local_experts(self) -> int:
         """Experts this rank holds (num_experts / ep)."""
         return self.experts.num_local_experts
 
     def _apply(self, fn, recurse: bool = True):
-        """Keep `expert_bias` fp32 through `.to(bf16)` / `.half()`: updates of ~1e-3 vanish in bf16."""
-        bias = self.expert_bias
+        """Keep the selection bias fp32 through `.to(bf16)` / `.half()`: updates of ~1e-3 vanish in bf16."""
+        owner, name = (self, "expert_bias") if self.expert_bias is not None else (self.gate, "e_score_correction_bias")
+        bias = self.selection_bias
         super()._apply(fn, recurse)
-        if bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = bias.to(device=self.expert_bias.device, dtype=torch.float32)
+        now = getattr(owner, name, None)
+        if bias is not None and now.dtype != torch.float32:
+            setattr(owner, name, bias.to(device=now.device, dtype=torch.float32))
         return self
 
     def reset_parameters(self) -> None:
@@ -203,7 +237,10 @@ class MoE(nn.Module):
         Returns this rank's routed assignments per expert (before capacity drops) for the bias counts.
         """
         with torch.no_grad():
-            select_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+            bias_E = self.selection_bias
+            select_TE = scores_TE if bias_E is None else scores_TE + bias_E
+            if self.n_group > 1:
+                select_TE = self._limit_groups(select_TE)
             expert_TK = select_TE.topk(self.top_k, dim=-1).indices
             keep_TK = None
             if self.capacity_factor is not None:
@@ -221,6 +258,16 @@ class MoE(nn.Module):
                     dist.all_reduce(counts_E1, group=self.load_group)
                 routing.counts_E, routing.num_tokens_global = counts_E1[:-1], counts_E1[-1]
             return routed_E
+
+    def _limit_groups(self, select_TE: Tensor) -> Tensor:
+        """DeepSeek-V3's group-limited routing: experts form `n_group` groups, a group scores the sum of
+        its two best experts, and only experts of the `topk_group` best groups stay selectable."""
+        T, E = select_TE.shape
+        group_TG = select_TE.view(T, self.n_group, E // self.n_group).topk(2, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, True)
+        keep_TE = keep_TG.repeat_interleave(E // self.n_group, dim=1)
+        return select_TE.masked_fill(~keep_TE, float("-inf"))
 
     def _pop_record(self, num_tokens: int) -> _Routing | None:
         while self._records:
@@ -322,14 +369,15 @@ class MoE(nn.Module):
         Call once per optimizer step on every rank of the load group (`update_expert_biases` batches
         all layers into one all-reduce); the counts then restart from zero.
         """
-        if self.expert_bias is None:
+        bias_E = self.selection_bias
+        if bias_E is None or self.load_counts_E is None:
             return
         if loads_E is None:
             loads_E = self.load_counts_E.clone()
             if self.load_group is not None:
                 dist.all_reduce(loads_E, group=self.load_group)
         loads_E = loads_E.float()
-        self.expert_bias += self.bias_update_rate * torch.sign(loads_E.mean() - loads_E)
+        bias_E += self.bias_update_rate * torch.sign(loads_E.mean() - loads_E)
         self.load_counts_E.zero_()
 
 
@@ -340,7 +388,7 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 def update_expert_biases(module: nn.Module) -> None:
     """`update_bias` on every MoE under `module`, with one all-reduce per distinct load group."""
-    layers = [m for m in moe_layers(module) if m.expert_bias is not None]
+    layers = [m for m in moe_layers(module) if m.load_counts_E is not None and m.selection_bias is not None]
     by_group: dict[int, list[MoE]] = {}
     for m in layers:
         by_group.setdefault(id(m.load_group), []).append(m)

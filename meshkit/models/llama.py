@@ -25,7 +25,7 @@ from meshkit.models import quirks as quirks_lib
 # configs and module structure; this list only records what has been proven equal to HF.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2",
                          "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "glm4", "helium", "qwen2_moe",
-                         "olmoe")
+                         "olmoe", "deepseek_v3")
 
 # Role of each layer inside a decoder block, by HF name relative to the block.
 #   colwise / rowwise : linear layers split on output / input features under TP

@@ -63,7 +63,7 @@ __all__ = [
     "to_hf_state_dict",
 ]
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
 LLAMA_MOE_KEY = "meshkit_moe"  # config attribute that turns a Llama-family model into a Llama-MoE
 
 
@@ -77,6 +77,12 @@ class _BlockFormat:
     norm_field: str | None
     shared: str | None = None
     shared_gate: str | None = None
+    score_func: str = "softmax"
+    # DeepSeek-V3: the config fields of the routed scaling factor and of group-limited routing
+    # (n_group, topk_group), and the router's persistent selection-bias buffer.
+    scale_field: str | None = None
+    group_fields: tuple[str, str] | None = None
+    bias_in_gate: bool = False
 
 
 _HF_BLOCKS: dict[str, _BlockFormat] = {
@@ -84,6 +90,9 @@ _HF_BLOCKS: dict[str, _BlockFormat] = {
     "Qwen3MoeSparseMoeBlock": _BlockFormat("num_experts", "norm_topk_prob"),
     "Qwen2MoeSparseMoeBlock": _BlockFormat("num_experts", "norm_topk_prob", "shared_expert", "shared_expert_gate"),
     "OlmoeSparseMoeBlock": _BlockFormat("num_experts", "norm_topk_prob"),
+    "DeepseekV3MoE": _BlockFormat("n_routed_experts", "norm_topk_prob", "shared_experts", score_func="sigmoid",
+                                  scale_field="routed_scaling_factor", group_fields=("n_group", "topk_group"),
+                                  bias_in_gate=True),
 }
 # Options a caller may set on converted layers; anything else would change what the layer computes
 # in ways HF's weights know nothing about (shared experts, sigmoid scores).
@@ -98,6 +107,8 @@ class MoESpec:
     top_k: int
     intermediate_size: int
     layers: tuple[int, ...]  # indices of the decoder blocks that are MoE
+    shared_intermediate_size: int = 0  # the shared expert every token runs (Qwen2-MoE, DeepSeek-V3)
+    shared_gate: bool = False  # Qwen2-MoE's [1, H] sigmoid gate on the shared expert
 
 
 def moe_spec(config: Any) -> MoESpec | None:
@@ -107,11 +118,18 @@ def moe_spec(config: Any) -> MoESpec | None:
     if model_type == "mixtral":
         return MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                        tuple(range(n_layers)))
+    if model_type == "deepseek_v3":
+        return MoESpec(config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                       tuple(range(int(config.first_k_dense_replace or 0), n_layers)),
+                       shared_intermediate_size=config.moe_intermediate_size * int(config.n_shared_experts or 0))
     if model_type == "olmoe":
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.intermediate_size, tuple(range(n_layers)))
     if model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = max(int(config.decoder_sparse_step), 1), set(config.mlp_only_layers or ())
         layers = tuple(i for i in range(n_layers) if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
+        if model_type == "qwen2_moe":
+            return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, layers,
+                           shared_intermediate_size=config.shared_expert_intermediate_size, shared_gate=True)
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, layers)
     options = getattr(config, LLAMA_MOE_KEY, None)
     if options:
@@ -213,9 +231,12 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
                          f"{getattr(config, experts_field)}")
     inter = down.shape[-1]
     shared = getattr(block, fmt.shared) if fmt.shared else None
-    moe = MoE(hidden, inter, num_experts, config.num_experts_per_tok, score_func="softmax",
+    n_group, topk_group = (int(getattr(config, f) or 1) for f in fmt.group_fields) if fmt.group_fields else (1, 1)
+    moe = MoE(hidden, inter, num_experts, config.num_experts_per_tok, score_func=fmt.score_func,
+              route_scale=float(getattr(config, fmt.scale_field)) if fmt.scale_field else 1.0,
+              n_group=n_group, topk_group=topk_group, bias_in_gate=fmt.bias_in_gate,
               shared_intermediate_size=0 if shared is None else shared.down_proj.in_features,
-              shared_expert_gate=fmt.shared_gate is not None,
+              shared_expert_gate=fmt.shared_gate is not None, shared_expert_name=fmt.shared or "shared_expert",
               normalize_topk=True if norm_field is None else bool(getattr(config, norm_field)),
               aux_loss_coef=options.get("aux_loss_coef", 0.0), z_loss_coef=options.get("z_loss_coef", 0.0),
               bias_update_rate=options.get("bias_update_rate", 0.0),
@@ -230,6 +251,8 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
             getattr(moe.shared_expert, name).weight = getattr(shared, name).weight
     if fmt.shared_gate is not None:
         moe.shared_expert_gate.weight = getattr(block, fmt.shared_gate).weight
+    if fmt.bias_in_gate:
+        moe.gate.e_score_correction_bias = block.gate.e_score_correction_bias
     init_moe_buffers(moe, router_weight.device)
     moe.keep_router_stats = bool(getattr(config, "output_router_logits", False))
     moe.register_forward_hook(_feed_hf_router_logits)
@@ -292,22 +315,27 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], config: Any) -> dict[str, Te
     return {k: v for k, v in state_dict.items() if not k.endswith(".expert_bias")}
 
 
-def init_moe_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
+def init_moe_buffers(module: nn.Module, device: torch.device | str | None = None, *, hf_buffers: bool = False) -> None:
     """Set the MoE balancing buffers (DeepSeek-V3 `expert_bias`, its load counts) to their initial zeros.
 
     For meta-device models: after `to_empty` they hold garbage, and no HF init knows them (they are
     not HF's), so whoever initialises parameters calls this too; a checkpoint's `expert_bias`, if any,
     loads afterwards. Buffers still on meta are replaced on `device` (left alone without one).
+    `hf_buffers` zeroes HF's own `gate.e_score_correction_bias` too (HF initialises it to zeros), for
+    a fresh initialisation; conversion leaves it alone, since it may hold a loaded checkpoint's bias.
     """
     for moe in [module] if isinstance(module, MoE) else moe_layers(module):
-        for name, dtype in (("expert_bias", torch.float32), ("load_counts_E", torch.int64)):
-            buf = getattr(moe, name, None)
+        owned = [(moe, "expert_bias", torch.float32), (moe, "load_counts_E", torch.int64)]
+        if hf_buffers:
+            owned.append((moe.gate, "e_score_correction_bias", torch.float32))
+        for owner, name, dtype in owned:
+            buf = getattr(owner, name, None)
             if buf is None:
                 continue
             if not buf.is_meta:
                 buf.zero_()
             elif device is not None and torch.device(device).type != "meta":
-                setattr(moe, name, torch.zeros(moe.num_experts, dtype=dtype, device=device))
+                setattr(owner, name, torch.zeros(moe.num_experts, dtype=dtype, device=device))
 
 
 # ------------------------------------------------------------------------------------ Llama-MoE

@@ -48,6 +48,35 @@ def attention_dims(config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+def score_value_dims(config) -> tuple[int, int, int]:
+    """(query heads, per-head dim of the scores q.k, per-head dim of the values): head_dim twice,
+    except for multi-head latent attention (DeepSeek-V3), whose scores use qk_nope + qk_rope dims
+    and whose values use v_head_dim. What attention FLOPs are made of."""
+    heads, _, head_dim = attention_dims(config)
+    if getattr(config, "kv_lora_rank", None):
+        return heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    return heads, head_dim, head_dim
+
+
+def attention_params(config) -> int:
+    """Parameters of one block's attention from the config alone: Llama's q/k/v/o (with biases when
+    `attention_bias`), or multi-head latent attention's down projections, latent norms and up
+    projections. Small extras the config does not name (q/k norms, Qwen2's biases) are not counted."""
+    h = config.hidden_size
+    heads, kv_heads, d = attention_dims(config)
+    if not getattr(config, "kv_lora_rank", None):
+        attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+        if getattr(config, "attention_bias", False):
+            attn += heads * d + 2 * kv_heads * d + h
+        return attn
+    _, d_qk, d_v = score_value_dims(config)
+    q_rank, kv_rank, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+    q = h * heads * d_qk if q_rank is None else h * q_rank + q_rank + q_rank * heads * d_qk
+    kv = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (config.qk_nope_head_dim + d_v)
+    bias = (0 if q_rank is None else q_rank) + kv_rank + rope + h if getattr(config, "attention_bias", False) else 0
+    return q + kv + heads * d_v * h + bias
+
+
 def declared_block_plan(config) -> dict[str, str]:
     """The config's tensor-parallel plan for one decoder block: {name in block: HF style}."""
     plan = getattr(config, "base_model_tp_plan", None) or _DEFAULT_PLAN
@@ -210,6 +239,11 @@ def tp_degree_problem(config, tp: int) -> str | None:
     they are replicated), so that every rank's query heads read whole K/V heads.
     """
     heads, kv_heads, _ = attention_dims(config)
+    if tp > 1 and getattr(config, "kv_lora_rank", None):
+        return (f"tp={tp}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V3) computes its "
+                f"q and kv latents and the shared rope key once for all heads; meshkit does not split it over tp "
+                f"(the model declares no attention tp plan either), so the largest tp that works is 1; fix: tp=1 "
+                f"and shard with dp_shard, cp, pp and ep")
     if tp <= 1 or (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         return None
     ok = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]

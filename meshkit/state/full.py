@@ -95,7 +95,7 @@ def materialise(pm: ParallelModel) -> None:
         return
     for part in parts:
         part.to_empty(device=pm.device)
-        moe_models.init_moe_buffers(part, pm.device)  # balancing buffers are not parameters
+        moe_models.init_moe_buffers(part, pm.device, hf_buffers=True)  # balancing buffers are not parameters
     llama.reset_rotary(llama.parts(pm.model).rotary, pm.device)
     llama.reset_scalar_buffers(pm.model)
 

@@ -32,15 +32,23 @@ FAMILY_FIELDS: dict[str, tuple] = {
     # layer, un-normalised top-k; OLMoE's whole-projection q/k norms with clipped q/k/v.
     "qwen2_moe": (("shared_expert_intermediate_size", 24), ("mlp_only_layers", [0]), ("norm_topk_prob", False)),
     "olmoe": (("clip_qkv", 0.5), ("norm_topk_prob", False)),
+    # DeepSeek-V3: MLA with q/kv latents, decoupled interleaved rope and v_head_dim != qk head dim;
+    # 2 groups of 2 experts, 1 group kept, routed scaling, a shared expert, one dense first layer.
+    "deepseek_v3": (("q_lora_rank", 16), ("kv_lora_rank", 12), ("qk_rope_head_dim", 4), ("qk_nope_head_dim", 8),
+                    ("v_head_dim", 6), ("n_group", 2), ("topk_group", 1), ("routed_scaling_factor", 2.5),
+                    ("n_shared_experts", 1), ("first_k_dense_replace", 1)),
 }
 # The ModelSpec fields every MoE family's tiny model uses.
 MOE_FIELDS = {"experts": 4, "top_k": 2, "intermediate": 16}
-MOE_KINDS = ("qwen2_moe", "olmoe")
+MOE_KINDS = ("qwen2_moe", "olmoe", "deepseek_v3")
+# Families whose attention has no K/V grouping (MLA: every head has its own K and V).
+_KV_HEADS = {"deepseek_v3": 4}
 
 
 def family_spec(kind: str, **fields) -> ModelSpec:
     """The tiny `ModelSpec` of family `kind` (any ModelSpec field may be overridden)."""
-    defaults = MOE_FIELDS if kind in MOE_KINDS else {}
+    defaults = {**(MOE_FIELDS if kind in MOE_KINDS else {}),
+                **({"kv_heads": _KV_HEADS[kind]} if kind in _KV_HEADS else {})}
     return ModelSpec(kind=kind, extra=FAMILY_FIELDS[kind], **{**defaults, **fields})
 
 
@@ -51,4 +59,15 @@ def ring_refusal(kind: str, seq: int) -> str | None:
         return "attn_logit_softcapping"
     if fields.get("sliding_window") and seq > fields["sliding_window"]:
         return "sliding window"
+    return None
+
+
+def plan_refusal(kind: str, shape: str, seq: int) -> tuple[str, str] | None:
+    """(a phrase of the reason, a phrase of the fix) meshkit's refusal of family `kind` under the family
+    test's plan shape `shape` contains, or None when meshkit runs it."""
+    if shape in ("ring", "zigzag"):
+        phrase = ring_refusal(kind, seq)
+        return None if phrase is None else (phrase, "cp_attention='ulysses'")
+    if shape == "tp" and dict(FAMILY_FIELDS[kind]).get("kv_lora_rank"):
+        return "multi-head latent attention", "the largest tp that works is 1"
     return None

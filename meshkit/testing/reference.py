@@ -36,8 +36,9 @@ MODEL_CLASSES = {
     "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
-HF_MOE_KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+HF_MOE_KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
 # Families whose default special-token ids lie outside a tiny vocabulary: set them inside it.
 _SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _ORIGINAL_KINDS = ("llama", "qwen3", "qwen2", "mistral", "mixtral", "qwen3_moe")
@@ -76,12 +77,18 @@ class ModelSpec:
                          moe_intermediate_size=self.intermediate)
         elif self.kind == "olmoe":
             extra = dict(extra, num_experts=self.experts, num_experts_per_tok=self.top_k)
-        return cfg_cls(
+        elif self.kind == "deepseek_v3":
+            extra = dict(extra, n_routed_experts=self.experts, num_experts_per_tok=self.top_k,
+                         moe_intermediate_size=self.intermediate)
+        config = cfg_cls(
             hidden_size=self.heads * self.head_dim, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, vocab_size=self.vocab, max_position_embeddings=256,
             tie_word_embeddings=self.tied, attention_dropout=0.0, **extra, **dict(self.extra),
         )
+        if self.kind == "deepseek_v3":  # its rope covers the qk_rope_head_dim part only (its own default)
+            config.head_dim = config.qk_rope_head_dim
+        return config
 
     def build(self, device: str = "cpu"):
         """Build the model from `seed` on `device` (same weights every call)."""
@@ -94,6 +101,12 @@ class ModelSpec:
                     block.mlp = MoE(self.heads * self.head_dim, self.intermediate, self.experts, self.top_k,
                                     shared_intermediate_size=self.shared_expert,
                                     bias_update_rate=self.bias_update_rate)
+        # A selection bias far from zero (HF initialises it to zeros), so routing depends on it.
+        gen = torch.Generator().manual_seed(self.seed)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None and not bias.is_meta:
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.1)
         # HF's eager attention where its SDPA path would drop a quirk (Gemma-2's soft-capping).
         model.config._attn_implementation = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
         return model

@@ -318,10 +318,11 @@ def test_layer_matches_dense_fp64_loop(data):
     _close(moe(x).double(), _dense_reference(moe, x), "output vs fp64 loop", atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_layer_equals_hf_sparse_blocks(model):
     """HF's state dict loads as is and gives the outputs of HF's blocks, to the bit in fp32
-    (Qwen2-MoE: with its shared expert scaled by sigmoid(shared_expert_gate))."""
+    (Qwen2-MoE: with its shared expert scaled by sigmoid(shared_expert_gate); DeepSeek-V3: sigmoid
+    scores, group-limited top-k under a selection bias that decides, routed scaling, shared experts)."""
     options = {}
     if model == "mixtral":
         from transformers import MixtralConfig
@@ -335,6 +336,15 @@ def test_layer_equals_hf_sparse_blocks(model):
 
         config, normalize = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6,
                                            num_experts_per_tok=2, norm_topk_prob=False), False
+    elif model == "deepseek_v3":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+
+        config, normalize = DeepseekV3Config(hidden_size=16, moe_intermediate_size=8, n_routed_experts=6,
+                                             num_experts_per_tok=2, n_group=3, topk_group=2, n_shared_experts=1,
+                                             routed_scaling_factor=2.5), True
+        options = dict(score_func="sigmoid", n_group=3, topk_group=2, route_scale=2.5, shared_intermediate_size=8,
+                       shared_expert_name="shared_experts", bias_in_gate=True)
     else:
         from transformers import Qwen2MoeConfig
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
@@ -348,6 +358,8 @@ def test_layer_equals_hf_sparse_blocks(model):
     hf = Block(config)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.4)
+    for b in hf.buffers():  # DeepSeek-V3's selection bias: large enough to change the chosen experts
+        torch.nn.init.normal_(b, std=0.4)
     moe = MoE(16, 8, 6, 2, normalize_topk=normalize, **options)
     moe.load_state_dict(hf.state_dict())  # same names, same layout: strict loading, no conversion
     x = torch.randn(3, 5, 16)
@@ -688,3 +700,20 @@ def test_one_host_sync_per_layer(dist):
     case = Case(world=2, ep=2, experts=4, top_k=2, hidden=8, inter=4, tokens=(7, 4), shared=4, seed=8)
     for counts in dist(2).run(_host_sync_worker, case):
         assert counts == [1, 1]
+
+
+def test_hf_selection_bias_is_the_one_updated_and_kept_fp32():
+    """With `bias_in_gate` (converted DeepSeek-V3) the bias that routes is HF's persistent
+    `gate.e_score_correction_bias`: the loss-free balancing step moves it against the load, `.to(bf16)`
+    keeps it fp32, and the state dict carries it under HF's name with no meshkit-only `expert_bias`."""
+    torch.manual_seed(0)
+    moe = MoE(8, 4, 4, 1, score_func="sigmoid", bias_in_gate=True, bias_update_rate=0.5)
+    assert "gate.e_score_correction_bias" in moe.state_dict() and "expert_bias" not in moe.state_dict()
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(torch.tensor([3.0, 0.0, 0.0, 0.0]))  # expert 0 takes everything
+    moe(torch.randn(2, 5, 8))
+    assert moe.load_counts_E.tolist() == [10, 0, 0, 0]
+    moe.update_bias()
+    assert moe.gate.e_score_correction_bias.tolist() == [2.5, 0.5, 0.5, 0.5]
+    moe.to(torch.bfloat16)
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32

@@ -1,6 +1,7 @@
 """Every supported HF family x the plan shapes (and ep for the MoE families) on 4 ranks, against HF:
 loss, every gathered gradient, clipped norm and parameters after two AdamW steps. Where a plan cannot
-apply the family's math (ring CP with soft-capping or a window shorter than the sequence), every rank
+apply the family's math (ring CP with soft-capping or a window shorter than the sequence, TP of
+DeepSeek-V3's latent attention), every rank
 must refuse with the reason and the fix before any collective.
 
 CI (the `ci` hypothesis profile) runs a representative subset (each quirk under each plan shape at
@@ -16,7 +17,7 @@ import torch
 from tests_support import assert_matches_reference
 
 import meshkit
-from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, family_spec, ring_refusal
+from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, family_spec, plan_refusal
 from meshkit.testing.reference import BatchSpec, compare_training
 
 PLANS = {
@@ -30,10 +31,12 @@ PLANS = {
 # Each quirk under the shape most likely to break it, and one refusal: soft-capping, windows and
 # post-norms under TP; windows and rope per layer type under Ulysses; packed projections and the
 # whole-projection q/k norm under TP; multipliers across pipeline stages; NoPE layers under ring CP;
-# Qwen2-MoE's gated shared expert with experts over ep; OLMoE's in-place q/k/v clamps under TP.
+# Qwen2-MoE's gated shared expert with experts over ep; OLMoE's in-place q/k/v clamps under TP;
+# DeepSeek-V3's latent attention (V padded to the q/k head dim) through the zig-zag ring.
 CI_CASES = {
     ("gemma2", "tp"), ("gemma2", "zigzag"), ("gemma3_text", "ulysses"), ("phi3", "tp"), ("olmo2", "tp"),
     ("granite", "pp"), ("smollm3", "ring"), ("qwen2_moe", "ep"), ("olmoe", "tp"),
+    ("deepseek_v3", "zigzag"),
 }
 FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 BATCH = BatchSpec(batch=4, seq=8, documents=1)
@@ -60,12 +63,13 @@ CASES = [(kind, shape) for kind in FAMILY_FIELDS for shape in PLANS
 @pytest.mark.parametrize("kind, shape", CASES)
 def test_family_under_plan(dist, kind, shape):
     plan = PLANS[shape]
-    refusal = ring_refusal(kind, BATCH.seq) if shape in ("ring", "zigzag") else None
+    refusal = plan_refusal(kind, shape, BATCH.seq)
     if refusal is None:
         results = dist(4).run(_compare_on_rank, plan, kind, BATCH)
         assert_matches_reference(results, f"{kind} under {plan}")
         return
     outcomes = dist(4).run_raw(_train_one_step, plan, kind, BATCH, timeout=300)
+    reason, fix = refusal
     for o in outcomes:
         assert not o.ok and isinstance(o.value, ValueError), f"rank {o.rank}: {o.exc_type}: {o.message}"
-        assert refusal in o.message and "cp_attention='ulysses'" in o.message, o.message
+        assert reason in o.message and fix in o.message, o.message
