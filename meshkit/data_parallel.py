@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from meshkit._compat import fsdp_sum_gradients
+from meshkit.local_tensor import local_tensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +45,7 @@ def expert_placement(shards: int):
     """FSDP2 `shard_placement_fn` for an experts unit (see `expert_shard_dim`)."""
 
     def placement(param: nn.Parameter) -> Shard:
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         return Shard(expert_shard_dim(tuple(local.shape), shards))
 
     return placement

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.data_parallel import DTYPES, reshard_fsdp
+from meshkit.local_tensor import local_tensor
 from meshkit.mesh import axis
 from meshkit.models import llama
 from meshkit.pipeline.p2p import wire_tensor
@@ -165,7 +166,7 @@ def local_logits(out) -> torch.Tensor | None:
     """This rank's part of the logits as a plain fp32 tensor."""
     if out is None:
         return None
-    return (out.to_local() if isinstance(out, DTensor) else out).float().contiguous()
+    return local_tensor(out).float().contiguous()
 
 
 @torch.no_grad()

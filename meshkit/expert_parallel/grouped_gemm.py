@@ -19,9 +19,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from meshkit._compat import grouped_mm_op
+from meshkit.local_tensor import local_tensor
 
 Backend = Literal["auto", "grouped_mm", "loop"]
 
@@ -172,11 +172,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """down(silu(gate(x)) * up(x))."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The local block of an expert-sharded DTensor (differentiable); plain tensors pass through."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def from_hf_layout(gate_up: Tensor, down: Tensor, *, transposed: bool = False) -> tuple[Tensor, Tensor]:

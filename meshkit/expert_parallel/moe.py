@@ -47,7 +47,8 @@ from meshkit.expert_parallel.dispatch import (
     dispatch,
     plan_dispatch,
 )
-from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU, local_tensor
+from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU
+from meshkit.local_tensor import local_tensor
 
 
 @dataclass(eq=False)

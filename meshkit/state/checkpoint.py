@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
+from meshkit.local_tensor import local_tensor
 from meshkit.state import atomic, manifest, retention
 from meshkit.state.manifest import step_dir
 from meshkit.state.names import held_buffers, is_meshkit_only, persistent_tensors
@@ -120,7 +120,7 @@ def _non_finite(state: dict[str, Any], step: int) -> str | None:
     bad = []
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            local = value.to_local() if isinstance(value, DTensor) else value
+            local = local_tensor(value)
             if local.numel() and not bool(torch.isfinite(local).all()):
                 bad.append(key)
     if not bad:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat import dtensor_chunks
+from meshkit.local_tensor import local_tensor
 from meshkit.models import moe as moe_models
 from meshkit.state.names import is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
@@ -239,7 +240,7 @@ def load_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, strict: bool
                 if id(target) not in held or name not in sources:
                     continue  # another pipeline stage's tensor, or a meshkit-only buffer keeping its init
                 box = _local_box(target)
-                dest = target.to_local() if isinstance(target, DTensor) else target
+                dest = local_tensor(target)
                 if dest.numel() == 0:
                     continue  # an uneven shard left this rank nothing
                 local = sources[name].read(opened, box)

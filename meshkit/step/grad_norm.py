@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshkit.local_tensor import local_tensor
+
 
 def _sharded_axes(grad: DTensor) -> tuple[int, ...]:
     axes = []
@@ -79,6 +81,6 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
     if coef < 1.0:
         for p in params:
             if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad = local_tensor(p.grad)
                 grad.mul_(coef)
     return norm

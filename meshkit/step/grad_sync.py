@@ -16,14 +16,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from meshkit.local_tensor import local_tensor
 
 
 @contextlib.contextmanager
@@ -39,7 +35,7 @@ def summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGroup | N
         yield
         for p in params:
             if p.grad is not None:
-                dist.all_reduce(_local(p.grad), group=group)
+                dist.all_reduce(local_tensor(p.grad), group=group)
     finally:
         for p, old in zip(params, earlier):
             if old is None:
@@ -47,7 +43,7 @@ def summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGroup | N
             if p.grad is None:
                 p.grad = old
             else:
-                _local(p.grad).add_(_local(old))
+                local_tensor(p.grad).add_(local_tensor(old))
 
 
 @contextlib.contextmanager
@@ -70,13 +66,13 @@ def copies_summed_per_call(copies: Sequence[nn.Parameter]) -> Iterator[None]:
         yield
         grads = [p.grad for p in copies if p.grad is not None]
         if grads:
-            total = _local(grads[0]).clone()
+            total = local_tensor(grads[0]).clone()
             for grad in grads[1:]:
-                total.add_(_local(grad))
+                total.add_(local_tensor(grad))
             for p in copies:
                 if p.grad is None:
                     p.grad = grads[0].clone()
-                _local(p.grad).copy_(total)
+                local_tensor(p.grad).copy_(total)
     finally:
         for p, old in zip(copies, earlier):
             if old is None:
@@ -84,4 +80,4 @@ def copies_summed_per_call(copies: Sequence[nn.Parameter]) -> Iterator[None]:
             if p.grad is None:
                 p.grad = old
             else:
-                _local(p.grad).add_(_local(old))
+                local_tensor(p.grad).add_(local_tensor(old))
