@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -322,3 +323,28 @@ def destroy_subgroups() -> int:
     for pg in groups:
         dist.destroy_process_group(pg)
     return len(groups)
+
+
+def clear_dtensor_sharding_caches() -> None:
+    """Forget every cached DTensor sharding decision (the Python LRU cache and the C++ fast path's).
+
+    Their keys compare meshes by shape and axis names, not identity, and the cached output specs hold
+    the mesh that first ran the op: after `destroy_subgroups`, a new mesh of the same shape would be
+    handed specs whose process groups no longer exist ("Could not resolve the process group").
+    """
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+
+
+def functional_reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum-reduce-scatter `x` over `group` along dim 0 as the functional collective DTensor issues.
+
+    Selective activation checkpointing recognises that op (`_c10d_functional.reduce_scatter_tensor`)
+    and keeps its output, so a recomputed block does not communicate again; a c10d call would be
+    re-issued. The op namespace is private in torch 2.11-2.13.
+    """
+    ops = torch.ops._c10d_functional
+    out = ops.reduce_scatter_tensor(x, "sum", dist.get_world_size(group), group.group_name)
+    return ops.wait_tensor(out)

@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     parts, held = split.parts, split.held_blocks
     if plan.tp > 1:
         apply_tensor_parallel(parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
-                              loss_parallel=plan.loss_parallel)
+                              loss_parallel=plan.loss_parallel, local=not plan.compile)
     moes = llama.moe_modules(parts)
     held_moes = [parts.blocks[i].mlp for i in held if llama.has_moe(parts.blocks[i])]
     expert_fsdp_mesh = _apply_expert_parallel(plan, mesh, moes) if moes else None

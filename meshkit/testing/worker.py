@@ -23,7 +23,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from meshkit._compat import destroy_subgroups
+from meshkit._compat import clear_dtensor_sharding_caches, destroy_subgroups
 
 
 @dataclass
@@ -100,6 +100,7 @@ def _serve(conn: Connection) -> None:
         elif dist.is_initialized():
             # The next task builds its own meshes; this task's groups would only keep their threads.
             destroy_subgroups()
+            clear_dtensor_sharding_caches()  # their specs name the groups just destroyed
         state.restore()
 
 
