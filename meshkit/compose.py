@@ -161,7 +161,8 @@ def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallel
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
         return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
                                         ring_group=ring_group, grad_dtype=grad_dtype)
-    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype)
+    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype,
+                                    keep_kv=plan.cp_keep_kv)
 
 
 def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:
