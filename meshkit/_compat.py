@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -202,6 +201,22 @@ def storage_nbytes(tensor) -> int:
     return (local if local is not None else tensor).untyped_storage().nbytes()
 
 
+def p2p_send(group, tensor: torch.Tensor, group_peer: int, tag: int):
+    """Start a point-to-point send on `group` to its rank `group_peer`; returns the Work.
+
+    `dist.isend` is this call behind per-call Python checks (group lookup, global-to-group rank
+    translation, tensor checks) that the pipeline runtime, which checked its peers and tensors once
+    per schedule, pays on the critical path for every message. `ProcessGroup.send` is the bound c10d
+    method `dist.isend` ends in, in 2.11 through 2.13.
+    """
+    return group.send([tensor], group_peer, tag)
+
+
+def p2p_recv(group, tensor: torch.Tensor, group_peer: int, tag: int):
+    """Start a point-to-point receive into `tensor` from `group`'s rank `group_peer` (see `p2p_send`)."""
+    return group.recv([tensor], group_peer, tag)
+
+
 def torch_pipeline_order(schedule):
     """The per-rank action lists a `torch.distributed.pipelining` schedule derived (`pipeline_order`,
     entries are private `_Action`s), or None; the pipeline benchmark replays them in meshkit's simulator."""
@@ -306,36 +321,6 @@ def fsdp_after_unit_reduce(module, callback) -> None:
             return out
 
         group.post_backward = post_backward
-
-
-def destroy_subgroups() -> int:
-    """Destroy every process group but the default one; the number destroyed.
-
-    Each `init_device_mesh` creates gloo groups that live until the process ends, each with its own
-    transport threads that keep waking while idle. A long-lived test worker that builds hundreds of
-    meshes otherwise ends with hundreds of threads polling on a 2-core machine. torch has no public
-    list of live groups, hence `_world.pg_map`.
-    """
-    if not dist.is_initialized():
-        return 0
-    world = dist.GroupMember.WORLD
-    groups = [pg for pg in list(distributed_c10d._world.pg_map) if pg is not world]
-    for pg in groups:
-        dist.destroy_process_group(pg)
-    return len(groups)
-
-
-def clear_dtensor_sharding_caches() -> None:
-    """Forget every cached DTensor sharding decision (the Python LRU cache and the C++ fast path's).
-
-    Their keys compare meshes by shape and axis names, not identity, and the cached output specs hold
-    the mesh that first ran the op: after `destroy_subgroups`, a new mesh of the same shape would be
-    handed specs whose process groups no longer exist ("Could not resolve the process group").
-    """
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
 
 
 def functional_reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -31,10 +31,6 @@ PRELOAD = (
 # 120: on 2 cores the 8-rank pools of the grown suite made correct runs of 2 minutes (RankTimeout).
 TIMEOUT = float(os.environ.get("MESHKIT_TEST_TIMEOUT", "300"))
 
-# How long the other ranks get to answer once one rank failed. Tests of bad input expect every rank to
-# raise on its own; on 2 loaded cores a rank can still be building its model 5 s after another raised.
-GRACE = float(os.environ.get("MESHKIT_TEST_GRACE", "30"))
-
 # "ci" is reproducible: the same examples on every run and machine, none replayed from a local database.
 settings.register_profile(
     "ci",
@@ -76,7 +72,7 @@ def dist() -> Iterator[Callable[[int], WorkerPool]]:
 
     def get(world_size: int) -> WorkerPool:
         if world_size not in pools:
-            pools[world_size] = WorkerPool(world_size, timeout=TIMEOUT, grace=GRACE, preload=PRELOAD)
+            pools[world_size] = WorkerPool(world_size, timeout=TIMEOUT, preload=PRELOAD)
         return pools[world_size]
 
     yield get

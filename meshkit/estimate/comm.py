@@ -69,6 +69,44 @@ def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
     return "ib", device.ib_bw
 
 
+@dataclass(frozen=True)
+class FsdpUnit:
+    """FSDP2 units of one kind on one rank: what its all-gathers and reduce-scatters move, and what
+    host offload copies across the host link around them."""
+
+    name: str       # "embed", "block", "head" or "expert"
+    count: int      # units of this kind on the rank
+    elements: int   # one unit as gathered (TP-local, padded rows)
+    group: int      # ranks its parameters are sharded over
+    axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
+    regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
+
+
+def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
+    """The FSDP2 units the rank holding `state` gathers, in the order comm reports them.
+
+    A tied weight lives in FSDP's root unit with the final norm (FSDP2 never reshards the root), so
+    without pipelining it counts as part of the head unit. The embedding unit is gathered first and
+    never again (its backward reads only the token ids); the head unit is the last and is never
+    resharded after forward. Under a V the first and last stage share pp rank 0: a tied embedding is
+    two units there (the embedding, and the head's copy, which its backward does read).
+    """
+    units, fsdp, reshard = state.unit_elements, plan.dp_shard * plan.cp, plan.fsdp_reshard
+    tied = getattr(config, "tie_word_embeddings", False)
+    if units["embed"] and tied and plan.pp == 1:
+        units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
+    ends = stage_ranks(plan)
+    copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
+    out = [FsdpUnit("block", state.blocks, units["block"], fsdp, "dp_shard_cp", reshard),
+           FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
+    if copies == 2:
+        out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard))
+    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False))
+    if moe.require_supported(config) is not None:
+        out.append(FsdpUnit("expert", state.blocks, units["expert"], fsdp // plan.ep, "ep_fsdp", reshard))
+    return [u for u in out if u.count]
+
+
 def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
                   t_block_fwd: float, t_block_rec: float) -> list[Collective]:
     """Every collective the rank holding `state` issues per step, with the time overlap cannot hide.
@@ -145,43 +183,28 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         calls = workload.calls(plan)  # forward_backward calls (PP keeps units gathered across its microbatches)
         gathers = calls if plan.zero == 3 else 1  # ZeRO-1/2 keep the gathered units through the window
         syncs = calls if plan.grad_sync == "every_microbatch" else 1
-        reshard = plan.fsdp_reshard
-        units = state.unit_elements
+        dense = [u for u in fsdp_units(config, plan, state) if u.axis == "dp_shard_cp"]
         t_bwd = 2 * t_block_fwd + t_block_rec
         red = dtype_bytes(plan.reduce_dtype)
-        tied_root = units["embed"] and getattr(config, "tie_word_embeddings", False) and plan.pp == 1
-        if tied_root:  # a tied weight lives in FSDP's root unit with the final norm; FSDP2 never reshards the root
-            units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
-        # (unit, count, hides behind, re-gathered in backward): the embedding unit is gathered first with
-        # nothing to hide behind and never again (its backward reads only the token ids); the head unit
-        # is the last and is never resharded after forward. Under a V the first and last stage share pp
-        # rank 0: a tied embedding is two units there (the embedding, and the head's copy, which its
-        # backward does read), each its own stage's.
-        ends = stage_ranks(plan)
-        copies = 2 if getattr(config, "tie_word_embeddings", False) and plan.pp > 1 and ends[0] == ends[-1] else 1
-        plan_units = [("block", blocks, t_block_fwd, reshard), ("embed", int(bool(units["embed"])), None, False),
-                      *([("embed", int(bool(units["embed"])), None, reshard)] if copies == 2 else []),
-                      ("head", int(bool(units["head"])), t_block_fwd, False)]
-        for name, count, hide, regather in plan_units:
-            if not count or fsdp == 1:
-                continue
-            add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters (fwd)", gathers * count, units[name] * act,
-                fsdp, hide)
-            if regather:
-                add("dp_shard_cp", "all_gather", f"FSDP: {name} parameters again (bwd)", gathers * count,
-                    units[name] * act, fsdp, t_bwd / 2)
-            add("dp_shard_cp", "reduce_scatter", f"FSDP: {name} gradients ({plan.reduce_dtype})", syncs * count,
-                units[name] * red, fsdp, t_bwd / 2 if name == "block" else None)
+        hides = {"block": t_block_fwd, "embed": None, "head": t_block_fwd}
+        for u in dense if fsdp > 1 else []:
+            add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters (fwd)", gathers * u.count,
+                u.elements * act, fsdp, hides[u.name])
+            if u.regather:
+                add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
+                    u.elements * act, fsdp, t_bwd / 2)
+            add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
+                u.elements * red, fsdp, t_bwd / 2 if u.name == "block" else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
-            count = blocks + copies * bool(units["embed"]) + bool(units["head"])
-            total = units["block"] * blocks + copies * units["embed"] + units["head"]
+            count = sum(u.count for u in dense)
+            total = sum(u.elements * u.count for u in dense)
             add("dp_replicate", "all_reduce", "HSDP: gradient shards", syncs * count, total * red / fsdp / count,
                 rep, t_bwd)
         if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
-            shards, unit = fsdp // plan.ep, units["expert"]
+            shards, unit = fsdp // plan.ep, state.unit_elements["expert"]
             add("ep_fsdp", "all_gather", "FSDP: expert parameters (fwd)", gathers * blocks, unit * act, shards,
                 t_block_fwd)
-            if reshard:
+            if plan.fsdp_reshard:
                 add("ep_fsdp", "all_gather", "FSDP: expert parameters again (bwd)", gathers * blocks, unit * act,
                     shards, t_bwd / 2)
             add("ep_fsdp", "reduce_scatter", f"FSDP: expert gradients ({plan.reduce_dtype})", syncs * blocks,

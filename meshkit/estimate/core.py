@@ -12,8 +12,10 @@ The Ultrascale Playbook's accounting, specialised to what meshkit actually runs:
   GPU's NIC across nodes, from the mesh order pp > dp_replicate > dp_shard > cp > tp), and how much
   of it the compute it overlaps with can hide.
 
+- Host offload (`offload`): host memory, the bytes crossing the host link, the optimizer step on the CPU.
+
 Step time = compute at an assumed efficiency (with the pipeline bubble from the simulator) + the
-communication that does not hide. docs/estimate.md has the derivations and the conventions.
+communication that does not hide + what offload adds. docs/estimate.md has the derivations and the conventions.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.comm import Collective, communication
 from meshkit.estimate.memory import RankMemory, model_state, rank_memory, stage_ranks
+from meshkit.estimate.offload import OffloadCost, offload_cost
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama
@@ -91,6 +94,7 @@ class Estimate:
     comm: list[Collective]
     sim: PipelineTiming | None
     times: dict[str, float]
+    offload: OffloadCost | None = None  # host memory, host-link bytes and CPU step of the slowest rank
 
     @property
     def peak_bytes(self) -> int:
@@ -153,8 +157,15 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     ranks = [rank_memory(config, plan, workload, r, sim.peak_activations[r] if sim is not None else 1)
              for r in range(plan.pp)]
     exposed = sum(c.exposed for c in comm)
-    times = {"compute": compute, "bubble": bubble, "exposed_comm": exposed, "step": compute + exposed}
-    return Estimate(config, plan, workload, device, max(ranks, key=lambda r: r.peak), flops, comm, sim, times)
+    off = None
+    if plan.offload != "none":  # every pp rank steps its own shards on the CPU: the slowest sets the pace
+        off = max((offload_cost(config, plan, workload, r.state, device) for r in ranks),
+                  key=lambda c: (c.exposed, c.host_bytes))
+    host = off.exposed if off is not None else 0.0
+    times = {"compute": compute, "bubble": bubble, "exposed_comm": exposed, "offload": host,
+             "step": compute + exposed + host}
+    return Estimate(config, plan, workload, device, max(ranks, key=lambda r: r.peak), flops, comm, sim, times,
+                    off)
 
 
 def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:

@@ -96,10 +96,21 @@ def render(e: Estimate, check_flops: bool = True) -> str:
             f"{hidden:.0%}"
         L.append(f"  {col.axis:<13}{col.kind:<15}{col.calls:>7}{_bytes(col.buffer):>13}{_bytes(col.wire):>12}"
                  f"{col.link:>7}{t * 1e3:>9.1f}{col.exposed * 1e3:>9.1f}  {verdict:<6}  {col.what}")
+    off = e.offload
+    if off is not None:
+        L.append(f"\nhost offload ({p.offload}), per step, per rank (host link {e.device.host_bw / 1e9:.0f} GB/s, "
+                 f"host memory {e.device.host_memory_bw / 1e9:.0f} GB/s per GPU)")
+        L.append(f"  host memory: {_bytes(off.host_bytes)} of {e.device.host_memory_bytes / GiB:.0f} GiB per GPU "
+                 f"(fp32 parameter and gradient shards, optimizer state); {_bytes(mem.offloaded)} off the device")
+        L.append(f"  host -> device {_bytes(off.h2d_bytes)} (a parameter shard per all-gather), device -> host "
+                 f"{_bytes(off.d2h_bytes)} (a gradient shard per reduction): {off.transfer_time * 1e3:.1f} ms")
+        L.append(f"  optimizer step on the CPU: {_bytes(off.host_step_bytes)} through host memory, "
+                 f"{off.step_time * 1e3:.1f} ms (all counted exposed)")
     tm = e.times
+    host = f" + offload {tm['offload'] * 1e3:.0f} ms" if off is not None else ""
     L.append(f"\nstep time at {w.mfu:.0%} of {e.device.peak_flops / 1e12:.0f} TFLOP/s: compute "
              f"{tm['compute'] * 1e3:.0f} ms (pipeline bubble {tm['bubble']:.1%}) + exposed communication "
-             f"{tm['exposed_comm'] * 1e3:.0f} ms = {tm['step'] * 1e3:.0f} ms -> MFU {e.mfu:.1%}, "
+             f"{tm['exposed_comm'] * 1e3:.0f} ms{host} = {tm['step'] * 1e3:.0f} ms -> MFU {e.mfu:.1%}, "
              f"{e.tokens_per_step / tm['step'] / p.world_size:,.0f} tokens/s/GPU")
     return "\n".join(L)
 
@@ -126,6 +137,8 @@ def build_parser(description: str = "", prog: str | None = None) -> argparse.Arg
     parser.add_argument("--ib-gbps", type=float, help="inter-node GB/s per GPU per direction")
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--memory-gib", type=float, help="usable device memory")
+    parser.add_argument("--host-gbps", type=float, help="host <-> device GB/s per GPU per direction (offload)")
+    parser.add_argument("--host-memory-gib", type=float, help="host memory per GPU (offload)")
     parser.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak for compute")
     return parser
 
@@ -137,5 +150,7 @@ def device_from_args(args: argparse.Namespace) -> Device:
                                  ("nvlink_bw", args.nvlink_gbps and args.nvlink_gbps * 1e9),
                                  ("ib_bw", args.ib_gbps and args.ib_gbps * 1e9),
                                  ("gpus_per_node", args.gpus_per_node),
-                                 ("memory_bytes", args.memory_gib and args.memory_gib * GiB)) if v}
+                                 ("memory_bytes", args.memory_gib and args.memory_gib * GiB),
+                                 ("host_bw", args.host_gbps and args.host_gbps * 1e9),
+                                 ("host_memory_bytes", args.host_memory_gib and args.host_memory_gib * GiB)) if v}
     return dataclasses.replace(d, **changes)

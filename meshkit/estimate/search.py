@@ -1,11 +1,13 @@
 """Plan search (`python -m meshkit.plan_search`): the Playbook's "best configuration" procedure, automated with meshkit's estimator.
 
 1. Fit memory first. Every layout (pp, dp_replicate, dp_shard, cp, tp, and ep for MoE models) is tried with each
-   activation-checkpointing mode, microbatch size, ZeRO stage and gradient-sync policy; a plan is kept
-   only if the peak memory of its worst rank fits the device's budget.
+   activation-checkpointing mode, microbatch size, ZeRO stage and gradient-sync policy, and host offload
+   where nothing else fits a mode; a plan is kept only if the peak memory of its worst rank fits the
+   device's budget (and, offloaded, its host state the host's).
 2. Then meet the global batch: microbatches per step = global tokens / (dp * mbs * seq).
 3. Then scale: rank what fits by estimated step time (compute at an assumed efficiency, the pipeline
-   bubble from meshkit's simulator, and the communication the overlap cannot hide). Under cp > 1 the
+   bubble from meshkit's simulator, the communication the overlap cannot hide, and offload's host-link
+   copies and CPU optimizer step). Under cp > 1 the
    zig-zag ring and the all-gather kind are both estimated and the faster one that fits is kept.
 
 A *family* is the set of parallelisms a plan uses ("fsdp", "tp+fsdp", "pp+tp+fsdp", ...). For every
@@ -129,6 +131,8 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     moe.require_supported(config)
     device = DEVICES[device] if isinstance(device, str) else device
     limit = budget(device, memory_fraction)
+    host_limit = device.host_memory_bytes * memory_fraction
+    host_short: dict[str, str] = {}  # family -> why offload, the only way it fit the device, did not fit the host
     fits: list[Candidate] = []
     best: dict[str, tuple[float, str]] = {}  # family -> (smallest peak, description) among plans that ran
     reasons: dict[str, str] = {}
@@ -159,14 +163,25 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                         check_structure(scheduled, config, world, seq)
                     except PlanError:
                         continue
-                # Least recompute first, and within a mode the memory options that move fewest bytes
-                # first: once one fits, the heavier ones are never faster.
+                # Least recompute first, and within a mode the on-device memory options that move fewest
+                # bytes first: once one fits, the heavier ones are never faster. Host offload is the
+                # fallback of a mode where none fits: its options are all estimated and the fastest
+                # that fits is kept, and the next recompute mode is still tried (recompute or offload,
+                # whichever the step time favours, is the ranking's call).
                 for ac in AC_ORDER:
                     options, errors, kinds = [], 0, cp_kinds(scheduled)
+                    on_device_fits = False
                     for kind in kinds:
-                        for zero, grad_sync in memory_options(scheduled, workload):
+                        offloaded, on_device = [], {}
+                        for zero, grad_sync, offload in memory_options(scheduled, workload):
+                            if offload != "none" and on_device_fits:
+                                break
+                            same = on_device.get((zero, grad_sync))
+                            if offload != "none" and same is not None and \
+                                    same.peak - same.state.persistent > limit:
+                                continue  # offload moves exactly the persistent state off the device
                             plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind,
-                                                       zero=zero, grad_sync=grad_sync)
+                                                       zero=zero, grad_sync=grad_sync, offload=offload)
                             try:
                                 e = estimate(config, plan, world, workload, device)
                             except ValueError as error:
@@ -174,24 +189,36 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                                 errors += 1
                                 break  # nothing else of this kind is estimable either
                             considered += 1
+                            if offload == "none":
+                                on_device[zero, grad_sync] = e.memory
                             peak = e.peak_bytes
                             if fam not in best or peak < best[fam][0]:
                                 best[fam] = (peak, _dominant(e))
-                            if peak <= limit:
+                            if peak > limit:
+                                continue
+                            if e.offload is not None and e.offload.host_bytes > host_limit:
+                                host_short.setdefault(fam, (
+                                    f"fits the device only with offload={offload}, which needs "
+                                    f"{e.offload.host_bytes / GiB:.1f} GiB of host memory per GPU > "
+                                    f"{host_limit / GiB:.1f} GiB, at {_dominant(e)}"))
+                                continue
+                            if offload == "none":
                                 options.append(Candidate(e.plan, workload, e))
+                                on_device_fits = True
                                 break
-                    if options:  # the CP kind the numbers favour: faster, then smaller
+                            offloaded.append(Candidate(e.plan, workload, e))
+                        options += offloaded
+                    if options:  # the CP kind and memory option the numbers favour: faster, then smaller
                         fits.append(min(options, key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes)))
-                        break
-                    if errors == len(kinds):
+                    if on_device_fits or errors == len(kinds):
                         break
     fits.sort(key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes))
     by_family: dict[str, Candidate] = {}
     for cand in fits:
         by_family.setdefault(cand.family, cand)
-    rejected = {}
+    rejected = {fam: why for fam, why in host_short.items() if fam not in by_family}
     for fam, (peak, what) in best.items():
-        if fam not in by_family:
+        if fam not in by_family and fam not in rejected:
             rejected[fam] = (f"nothing fits: the smallest peak is {peak / GiB:.1f} GiB > {limit / GiB:.1f} GiB "
                              f"budget, at {what}")
     for fam, why in reasons.items():
@@ -200,24 +227,28 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     return SearchResult(fits[:top], rejected, considered, by_family, removed)
 
 
-def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str]]:
-    """(zero, grad_sync) pairs worth estimating, fewest bytes moved first: ZeRO-2 gathers parameters
-    once per step where ZeRO-3 gathers them per call and again in backward; syncing gradients once
-    per window beats syncing every call. ZeRO-1 moves what ZeRO-2 does with more memory, so it never
-    wins. Host offload is not searched: the estimate has no model of the host step's time."""
-    if plan.dp_shard * plan.cp == 1:
-        return [(plan.zero, plan.grad_sync)]
+def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str, str]]:
+    """(zero, grad_sync, offload) triples worth estimating: first the on-device ones, fewest bytes
+    moved first (ZeRO-2 gathers parameters once per step where ZeRO-3 gathers them per call and again
+    in backward; syncing gradients once per window beats syncing every call; ZeRO-1 moves what ZeRO-2
+    does with more memory, so it never wins), then host offload in both forms it takes
+    (ZeRO-Offload: zero=2, offload="optimizer"; zero=3, offload="params"), whose host-link bytes
+    and CPU step the estimate adds to the step time (`meshkit.estimate.offload`)."""
     policies = ("last_microbatch", "every_microbatch") if workload.calls(plan) > 1 else ("every_microbatch",)
-    return [(zero, sync) for zero in (2, 3) for sync in policies]
+    offloaded = [(2, sync, "optimizer") for sync in policies] + [(3, sync, "params") for sync in policies]
+    if plan.dp_shard * plan.cp == 1:
+        return [(plan.zero, plan.grad_sync, "none"), *offloaded]
+    return [(zero, sync, "none") for zero in (2, 3) for sync in policies] + offloaded
 
 
 def _dominant(e: Estimate) -> str:
     mem = e.memory
-    terms = {"model state": mem.state.persistent, "activations": mem.activations,
+    terms = {"model state": mem.state.persistent - mem.offloaded, "activations": mem.activations,
              "transients": mem.transient + mem.fsdp_buffers}
     top = max(terms, key=terms.get)
     w = e.workload
-    return (f"{e.plan.describe()} ac={e.plan.activation_checkpointing} mbs={w.mbs} "
+    off = f" offload={e.plan.offload}" if e.plan.offload != "none" else ""
+    return (f"{e.plan.describe()} ac={e.plan.activation_checkpointing}{off} mbs={w.mbs} "
             f"({top} {terms[top] / GiB:.1f} GiB)")
 
 
@@ -226,12 +257,12 @@ def render(result: SearchResult, limit: float, world: int) -> str:
     lines = [f"{len(result.plans)} best of {result.considered} plans estimated that fit "
              f"{limit / GiB:.1f} GiB per GPU, fastest first:"]
     lines.append(f"  {'#':>2} {'step ms':>8} {'MFU':>6} {'tok/s/GPU':>10} {'peak GiB':>9} {'bubble':>7} "
-                 f"{'exposed comm':>13}  plan")
+                 f"{'exposed comm':>13} {'offload':>10}  plan")
     for i, c in enumerate(result.plans, 1):
         e = c.estimate
         lines.append(f"  {i:>2} {e.step_time * 1e3:>8.0f} {e.mfu:>6.1%} {e.tokens_per_step / e.step_time / world:>10,.0f} "
                      f"{e.peak_bytes / GiB:>9.1f} {e.times['bubble']:>7.1%} "
-                     f"{e.times['exposed_comm'] * 1e3:>10.0f} ms  {c.describe()}")
+                     f"{e.times['exposed_comm'] * 1e3:>10.0f} ms {e.times['offload'] * 1e3:>7.0f} ms  {c.describe()}")
     lines.append("\nbest plan of each family that fits:")
     for fam, c in sorted(result.best_by_family.items(), key=lambda kv: kv[1].estimate.step_time):
         lines.append(f"  {fam:<16} {c.estimate.step_time * 1e3:>8.0f} ms  MFU {c.estimate.mfu:5.1%}  {c.describe()}")

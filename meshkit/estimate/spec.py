@@ -112,9 +112,14 @@ class Device:
     ib_bw: float             # across nodes: the GPU's own NIC
     gpus_per_node: int = 8
     latency_s: float = 10e-6  # per collective call
+    host_bw: float = 55e9            # host <-> device link (PCIe Gen5 x16), per direction, what copies reach
+    host_memory_bw: float = 75e9     # the node's DRAM bandwidth divided among its GPUs: the CPU step's share
+    host_memory_bytes: float = 256 * GiB  # host memory per GPU (2 TiB over 8 GPUs, DGX H100/H200)
 
 
-# H100/H200 SXM: NVLink 4 moves 900 GB/s both ways (450 each way); one 400 Gb/s NDR NIC per GPU.
+# H100/H200 SXM: NVLink 4 moves 900 GB/s both ways (450 each way); one 400 Gb/s NDR NIC per GPU. Host side
+# (DGX): PCIe Gen5 x16 per GPU (64 GB/s per direction on paper, ~55 reached by pinned copies), two sockets
+# of 8-channel DDR5-4800 (~614 GB/s) shared by 8 GPUs, 2 TiB of DRAM.
 DEVICES = {
     "h100": Device("h100", metrics.PEAK_FLOPS["h100"]["bfloat16"], 79.6 * GiB, 450e9, 50e9),
     "h200": Device("h200", metrics.PEAK_FLOPS["h200"]["bfloat16"], 139.8 * GiB, 450e9, 50e9),

@@ -45,6 +45,7 @@ from meshkit.state import atomic, manifest, retention
 from meshkit.state.manifest import step_dir
 from meshkit.state.names import held_buffers, is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
+from meshkit.zero.fused import FusedOptimizer
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 __all__ = ["FORMAT_VERSION", "is_checkpoint", "latest", "load", "save", "step_dir", "verify"]
 
 FORMAT_VERSION = 1
+# What `save` and `load` take as the optimizer: a torch optimizer, or the per-parameter optimizers of
+# `meshkit.fuse_optimizer_into_backward` (which reads like one where it matters here).
+Optimizer = torch.optim.Optimizer | FusedOptimizer
 MODEL = "model."
 OPTIM_STATE = "optim.state."
 OPTIM_GROUPS = "optim.param_groups"
@@ -61,7 +65,7 @@ RNG = "rng.rank"
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
-def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *,
+def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
          scheduler: Any = None, step: int = 0, extra: Any = None, run_id: str | None = None,
          global_batch: int | None = None, data: Any = None) -> str:
     """Write a checkpoint of model, optimizer, scheduler, step, `extra` and RNG states to directory `path`.
@@ -82,7 +86,7 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
     return final
 
 
-def state_dict(pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None, step: int = 0,
+def state_dict(pm: ParallelModel, optimizer: Optimizer, *, scheduler: Any = None, step: int = 0,
                extra: Any = None, run_id: str | None = None, data: Any = None) -> dict[str, Any]:
     """What `save` hands DCP, keyed by HF names; refused when any tensor in it is non-finite.
 
@@ -96,7 +100,7 @@ def state_dict(pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler
     raise_if_any(_non_finite(state, step))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:  # identical on every rank; one copy, so DCP never has to pick between ranks
-        state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in _hyper_groups(optimizer)]
         if scheduler is not None:
             state[SCHEDULER] = scheduler.state_dict()
         state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra,
@@ -126,7 +130,7 @@ def _non_finite(state: dict[str, Any], step: int) -> str | None:
 
 
 @torch.no_grad()
-def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+def load(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *, scheduler: Any = None,
          data: Any = None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` under any plan and world size; return its step and `extra`.
 
@@ -155,9 +159,9 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
         raise ValueError(f"checkpoint {path}: format {found}; this meshkit reads format {FORMAT_VERSION}")
     problems = _model_problems(pm, entries)
     groups = small.get(OPTIM_GROUPS)
-    if groups is not None and len(groups) != len(optimizer.param_groups):
+    if groups is not None and len(groups) != len(_hyper_groups(optimizer)):
         problems.append(f"the checkpoint's optimizer has {len(groups)} parameter group(s), this optimizer "
-                        f"{len(optimizer.param_groups)}; fix: build the optimizer as the saving run did")
+                        f"{len(_hyper_groups(optimizer))}; fix: build the optimizer as the saving run did")
     if scheduler is not None and SCHEDULER not in small:
         problems.append("a scheduler was passed but the checkpoint holds no scheduler state; fix: scheduler=None")
     if data is not None:
@@ -183,7 +187,10 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Opti
             name, sub = key[len(OPTIM_STATE):].rsplit(".", 1)
             optimizer.state[params[name]][sub] = value  # non-tensor state entries come back as objects
     if groups is not None:
-        for group, saved in zip(optimizer.param_groups, groups):
+        # A fused optimizer's per-parameter optimizers share the one saved group (see _hyper_groups).
+        pairs = [(g, groups[0]) for g in optimizer.param_groups] if isinstance(optimizer, FusedOptimizer) \
+            else zip(optimizer.param_groups, groups)
+        for group, saved in pairs:
             # Hyperparameters (lr as the scheduler left it, betas, ...); not how this run implements the step.
             group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_FLAGS})
     if scheduler is not None:
@@ -237,7 +244,15 @@ def _model_problems(pm: ParallelModel, entries: dict[str, Any]) -> list[str]:
 # -------------------------------------------------------------------------------------- optimizer
 
 
-def _optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, nn.Parameter]]:
+def _hyper_groups(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """The parameter groups whose hyperparameters a checkpoint keeps. A fused optimizer's per-parameter
+    optimizers come from one factory and so share their hyperparameters: one group is kept, which is
+    also what makes its checkpoint load under a plan that places a different number of parameters
+    on a rank (pipelining) or into an unfused optimizer, and back."""
+    return optimizer.param_groups[:1] if isinstance(optimizer, FusedOptimizer) else optimizer.param_groups
+
+
+def _optimizer_params(pm: ParallelModel, optimizer: Optimizer) -> Iterator[tuple[str, nn.Parameter]]:
     """(HF name, parameter) for every parameter the optimizer holds; each must be one of pm's."""
     names = {id(p): n for n, p in pm.named_parameters()}
     for group in optimizer.param_groups:
@@ -248,7 +263,7 @@ def _optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> It
             yield names[id(param)], param
 
 
-def _optimizer_targets(path: str, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+def _optimizer_targets(path: str, pm: ParallelModel, optimizer: Optimizer,
                        entries: dict[str, Any]) -> dict[str, Any]:
     """Fresh optimizer state placed like the NEW plan's parameters, for DCP to fill in place.
 
@@ -287,7 +302,7 @@ def _optimizer_targets(path: str, pm: ParallelModel, optimizer: torch.optim.Opti
     return targets
 
 
-def _create_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+def _create_state(optimizer: Optimizer, params: list[nn.Parameter]) -> None:
     """Let the optimizer create its state for `params` without changing any parameter."""
     every = [p for g in optimizer.param_groups for p in g["params"]]
     stashed = {id(p): p.grad for p in every}

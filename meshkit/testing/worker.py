@@ -23,8 +23,6 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from meshkit._compat import clear_dtensor_sharding_caches, destroy_subgroups
-
 
 @dataclass
 class WorkerSpec:
@@ -97,10 +95,6 @@ def _serve(conn: Connection) -> None:
             # instead of at the gloo timeout; the parent restarts the pool after a failure anyway.
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        elif dist.is_initialized():
-            # The next task builds its own meshes; this task's groups would only keep their threads.
-            destroy_subgroups()
-            clear_dtensor_sharding_caches()  # their specs name the groups just destroyed
         state.restore()
 
 

@@ -12,13 +12,16 @@ Clipping needs the global gradient norm before any parameter moves, which a one-
 never has. meshkit's fused path does not clip: `clip_grad_norm_` raises under it (LOMO's
 alternative, a first backward that only measures the norm, doubles the backward cost). Accumulation
 windows are refused for the same reason: a gradient is final only at the window's last call.
+
+Checkpoints: `FusedOptimizer` exposes `param_groups`, `state` and `step()` as a torch optimizer does,
+which is all `meshkit.checkpoint` reads, so a fused run saves and resumes like any other.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,12 +36,65 @@ if TYPE_CHECKING:
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
+class _FusedState(Mapping):
+    """The per-parameter optimizers' states read as one `optimizer.state` (parameter -> its state dict),
+    so that code written for a torch optimizer (meshkit.checkpoint) reads and fills them unchanged."""
+
+    def __init__(self, optimizers: dict[nn.Parameter, torch.optim.Optimizer]):
+        self._optimizers = optimizers
+
+    def __getitem__(self, p: nn.Parameter) -> dict:
+        return self._optimizers[p].state[p]  # created on first use, as torch's defaultdict does
+
+    def get(self, p: nn.Parameter, default: Any = None) -> Any:
+        """The state of `p` if its optimizer has made one (never creates it)."""
+        opt = self._optimizers.get(p)
+        return opt.state[p] if opt is not None and p in opt.state else default
+
+    def __contains__(self, p: object) -> bool:
+        opt = self._optimizers.get(p)  # type: ignore[call-overload]
+        return opt is not None and p in opt.state
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        return (p for p, opt in self._optimizers.items() if p in opt.state)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class FusedOptimizer:
-    """One optimizer per parameter, stepped from inside backward; returned by `fuse_optimizer_into_backward`."""
+    """One optimizer per parameter, stepped from inside backward; returned by `fuse_optimizer_into_backward`.
+
+    It reads like a torch optimizer where checkpointing needs one: `param_groups` (every per-parameter
+    optimizer's group, the real dicts), `state` (parameter -> state) and `step()`, so
+    `meshkit.checkpoint.save(path, pm, fused)` / `load` keep the per-parameter state under DCP.
+    """
 
     def __init__(self, optimizers: dict[nn.Parameter, torch.optim.Optimizer]):
         self.optimizers = optimizers
         self.steps = 0  # parameter updates made, for tests and logs
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every per-parameter optimizer's parameter groups, in parameter order (editing one edits it)."""
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> _FusedState:
+        """Parameter -> its optimizer's state, as `torch.optim.Optimizer.state` reads."""
+        return _FusedState(self.optimizers)
+
+    def step(self) -> None:
+        """Step every parameter that holds a gradient, outside backward (what `Optimizer.step` does);
+        `meshkit.checkpoint.load` uses it with zero gradients and lr 0 to create the state it fills."""
+        for p, opt in self.optimizers.items():
+            if p.grad is not None:
+                opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient (the fused step leaves none; for code that calls it out of habit)."""
+        for p in self.optimizers:
+            p.grad = None
 
     def step_params(self, params: Iterable[nn.Parameter]) -> None:
         """Step each of `params` that has a gradient, then free that gradient."""
