@@ -19,8 +19,10 @@ clipping and state dicts see nothing different) but runs the block on their loca
 
 Bytes and the memory layout are those of the DTensor path (same collectives, same sizes, norms on
 1/tp of the tokens). Used for blocks whose roles are plain colwise / rowwise / seq_norm / attention
-/ mlp, without a rowwise bias and without torch.compile (dynamo would trace the parameter swap);
-anything else (q/k norms, replicated K/V rows, packed projections, MoE) keeps the styles.
+/ mlp, without a rowwise bias, without torch.compile (dynamo would trace the parameter swap) and
+without a schedule that splits B from W (its deferred weight gradients wrap plain `nn.Linear`
+forwards; `compose._tp_on_local_shards`); anything else (q/k norms, replicated K/V rows, packed
+projections, MoE) keeps the styles.
 """
 
 from __future__ import annotations
