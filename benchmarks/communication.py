@@ -6,10 +6,10 @@ plan, as wire bytes one rank sends (ring algorithms: (n-1)/n of an all-gather / 
 all-to-all buffer, a P2P message whole). Each row: the measured bytes, the scheme's own minimum
 (closed form below), their ratio, and the ratio to the cheapest scheme that computes the same thing:
 
-- CP (cp=2): ring, zig-zag, all-gather K/V, Ulysses, in fp32 and in bf16 with fp32 gradient
+- CP (cp=2): ring, zig-zag (each also with `cp_keep_kv=true`), all-gather K/V, Ulysses, in fp32 and in bf16 with fp32 gradient
   reduction. Minimum per layer, b = one rank's [K; V] shard in the compute dtype, g the same in the
   reduce dtype: ring (cp-1)(2b + g) (K/V forward and backward, dK/dV back to the owner); all-gather
-  (cp-1)(b + g); Ulysses (cp-1)/cp of q, k, v, out forward and their gradients backward.
+  (cp-1)(b + g), and the ring kinds keeping K/V the same; Ulysses (cp-1)/cp of q, k, v, out forward and their gradients backward.
 - FSDP (dp_shard=2): meshkit's units against a hand-written `fully_shard` layout (embedding, each
   block, [norm, head] kept gathered, root). Minimum: every parameter gathered once, the blocks that
   were resharded gathered again for backward (not the embedding: its backward reads only the ids),
@@ -45,7 +45,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, use_cache=False)
 BATCH, SEQ = 1, 512
-CP_KINDS = ("ring", "zigzag", "allgather", "ulysses")
+CP_KINDS = ("ring", "zigzag", "ring_keep", "zigzag_keep", "allgather", "ulysses")  # _keep: cp_keep_kv=true
+KEPT = "<!-- kept across runs -->"  # text after this line in --out is carried over (hand-written sections)
 FACTOR = {"all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "all_reduce": 1.0, "send": 1.0}  # n=2
 
 
@@ -98,7 +99,7 @@ def _cp_minimum(kind: str, act: int, red: int) -> float:
     block = 2 * BATCH * kv * S_l * d  # one rank's [K; V] elements
     if kind in ("ring", "zigzag"):
         return L * (cp - 1) * (2 * block * act + block * red)
-    if kind == "allgather":
+    if kind in ("allgather", "ring_keep", "zigzag_keep"):  # K/V once forward, dK/dV once backward
         return L * (cp - 1) * (block * act + block * red)
     q = BATCH * heads * S_l * d
     return L * (cp - 1) / cp * 2 * (2 * q + block) * act  # q, k, v and out, forward and backward
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the markdown here")
     args = parser.parse_args(argv)
     dtypes = {"fp32": "param_dtype=float32", "bf16 (fp32 grads)": "param_dtype=bfloat16,reduce_dtype=float32"}
-    plans = {f"cp/{k}/{d}": f"cp=2,cp_attention={k},{text}" for k in CP_KINDS for d, text in dtypes.items()}
+    plans = {f"cp/{k}/{d}": f"cp=2,cp_attention={k.removesuffix('_keep')},{text}"
+             + (",cp_keep_kv=true" if k.endswith("_keep") else "") for k in CP_KINDS for d, text in dtypes.items()}
     plans["fsdp/meshkit"] = "dp_shard=2"
     plans["tp/TP+SP"] = "tp=2"
     plans["tp/TP"] = "tp=2,sequence_parallel=false"
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         ["layout", "measured B", "minimum B", "measured / minimum", "/ cheapest"],
         [[k.split("/")[1], f"{v:,.0f}", f"{_tp_minimum(k.endswith('SP')):,.0f}",
           f"{v / _tp_minimum(k.endswith('SP')):.2f}", f"{v / best:.2f}"] for k, v in tp.items()])
+    if args.out and Path(args.out).exists() and KEPT in Path(args.out).read_text():
+        lines += ["", KEPT + Path(args.out).read_text().split(KEPT, 1)[1].rstrip("\n")]
     emit(lines, args.out)
     if args.out:
         _chart(Path(args.out).with_name("communication_bytes.png"), charted)

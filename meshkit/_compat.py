@@ -321,3 +321,15 @@ def fsdp_after_unit_reduce(module, callback) -> None:
             return out
 
         group.post_backward = post_backward
+
+
+def functional_reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum-reduce-scatter `x` over `group` along dim 0 as the functional collective DTensor issues.
+
+    Selective activation checkpointing recognises that op (`_c10d_functional.reduce_scatter_tensor`)
+    and keeps its output, so a recomputed block does not communicate again; a c10d call would be
+    re-issued. The op namespace is private in torch 2.11-2.13.
+    """
+    ops = torch.ops._c10d_functional
+    out = ops.reduce_scatter_tensor(x, "sum", dist.get_world_size(group), group.group_name)
+    return ops.wait_tensor(out)

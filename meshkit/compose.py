@@ -32,7 +32,8 @@ from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
-from meshkit.pipeline.schedules import stage_placement
+from meshkit.pipeline.actions import ActionKind
+from meshkit.pipeline.schedules import build_schedule, stage_placement
 from meshkit.plan import Plan, PlanError
 from meshkit.tensor_parallel import apply_tensor_parallel
 from meshkit.zero.offload import offload_policy
@@ -51,7 +52,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     parts, held = split.parts, split.held_blocks
     if plan.tp > 1:
         apply_tensor_parallel(parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
-                              loss_parallel=plan.loss_parallel)
+                              loss_parallel=plan.loss_parallel, local=_tp_on_local_shards(plan))
     moes = llama.moe_modules(parts)
     held_moes = [parts.blocks[i].mlp for i in held if llama.has_moe(parts.blocks[i])]
     expert_fsdp_mesh = _apply_expert_parallel(plan, mesh, moes) if moes else None
@@ -156,6 +157,18 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> Dev
     return mesh_lib.expert_fsdp_mesh(mesh, outer)
 
 
+def _tp_on_local_shards(plan: Plan) -> bool:
+    """Whether plain TP blocks run on local shards (`tensor_parallel_local`): not under torch.compile
+    (dynamo would trace the parameter swap) nor under schedules that split B from W (ZB's deferred
+    weight gradients wrap plain `nn.Linear` forwards, which the local path replaces)."""
+    if plan.compile:
+        return False
+    if plan.pp == 1:
+        return True
+    schedule = build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
+    return not any(a.kind is ActionKind.W for actions in schedule.ranks for a in actions)
+
+
 def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
     """How every attention layer splits its sequence over the cp axis (USP, and the all-gather kind with
     cp_ulysses > 1: a Ulysses x outer grid). dK/dV travel in the plan's reduce dtype."""
@@ -164,7 +177,8 @@ def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallel
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
         return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
                                         ring_group=ring_group, grad_dtype=grad_dtype)
-    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype)
+    return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype,
+                                    keep_kv=plan.cp_keep_kv)
 
 
 def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:

@@ -66,6 +66,7 @@ class Plan:
     compile: bool = False
     cp_attention: str = "zigzag"
     cp_ulysses: int = 1
+    cp_keep_kv: bool = False
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
@@ -105,7 +106,7 @@ class Plan:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {DTYPES}")
-        for name in ("sequence_parallel", "loss_parallel", "compile"):
+        for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):

@@ -82,6 +82,12 @@ def cp_problems(plan: Plan) -> list[str]:
             f"cp_ulysses={plan.cp_ulysses}: only cp_attention='usp' or 'allgather' splits cp into Ulysses x "
             f"ring; fix: set cp_ulysses=1, or cp_attention='usp' or 'allgather'"
         )
+    if plan.cp_keep_kv is True and plan.cp_attention not in ("ring", "zigzag"):
+        problems.append(
+            f"cp_keep_kv=true with cp_attention={plan.cp_attention!r}: only the ring kinds send K/V again in "
+            f"backward (the all-gather kind keeps what it gathered, Ulysses moves heads); fix: "
+            f"cp_attention='ring' or 'zigzag', or cp_keep_kv=false"
+        )
     return problems
 
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
+from meshkit.tensor_parallel_local import apply_local_block, apply_local_norm, block_runs_local
 from meshkit.tensor_parallel_rows import apply_selected_rows
 
 
@@ -100,12 +101,15 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool,
     loss_parallel: bool,
+    local: bool = True,
 ) -> None:
     """Shard the embedding, every block, the final norm and the LM head over `tp_mesh`, in place.
 
     Between blocks the residual stream is a plain local tensor: sequence-sharded [B, S/tp, H] with SP,
     replicated [B, S, H] without. The logits come out as a DTensor sharded on the vocabulary when
-    `loss_parallel`, else as a replicated plain tensor.
+    `loss_parallel`, else as a replicated plain tensor. With `local` (off under torch.compile), plain
+    blocks and the final norm run on their local shards (`tensor_parallel_local`: same parameters,
+    bytes and numerics, a fraction of the DTensor dispatch work).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
@@ -116,10 +120,16 @@ def apply_tensor_parallel(
         apply_selected_rows(block, rows, tp_mesh)
         roles_lib.localize_head_counts(block, roles, parts.config, tp_mesh.size())
         kept = {name: role for name, role in roles.items() if name not in rows}
-        parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
-        for name in roles_lib.outputs_edited_in_place(kept, parts.config):
-            block.get_submodule(name).register_forward_hook(_own_output)
-    if sequence_parallel:
+        if local and not rows and block_runs_local(kept, block):
+            # its linears return fresh tensors (no DTensor views), which HF may edit in place
+            apply_local_block(block, kept, tp_mesh, sequence_parallel)
+        else:
+            parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
+            for name in roles_lib.outputs_edited_in_place(kept, parts.config):
+                block.get_submodule(name).register_forward_hook(_own_output)
+    if sequence_parallel and local:
+        apply_local_norm(parts.norm, tp_mesh)
+    elif sequence_parallel:
         parallelize_module(parts.norm, tp_mesh, SequenceParallel())
     head = ColwiseParallel(
         input_layouts=seq,

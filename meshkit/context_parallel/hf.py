@@ -50,6 +50,7 @@ class ContextParallelAttention:
     ulysses_group: object = None
     ring_group: object = None
     grad_dtype: torch.dtype | None = None
+    keep_kv: bool = False  # ring kinds: keep forward's K/V blocks for backward (Plan.cp_keep_kv)
 
     def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None,
                  quirks: dict | None = None) -> torch.Tensor:
@@ -57,7 +58,8 @@ class ContextParallelAttention:
             return self._with_quirks(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks)
         if self.kind in ("ring", "zigzag"):
             return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
-                                  scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)
+                                  scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype,
+                                  keep_kv=self.keep_kv)
         if self.kind == "allgather" and self.ulysses_group is None:
             return allgather_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
                                        doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)

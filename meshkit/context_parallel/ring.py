@@ -13,9 +13,15 @@ every block is differentiated against the FINAL out and lse (so its gradient is 
 the global softmax), dQ accumulates locally, and the dK/dV of the block in hand accumulate in a
 buffer that travels with it and arrives at the owner after the last step (cp-1 K/V exchanges plus cp
 dK/dV exchanges). The dK/dV buffer is sent in `grad_dtype` (the plan's reduce_dtype, fp32 by
-default) and every rank adds its share in fp32 after receiving. Restarting the backward ring from the
-last K/V block of the forward would save one transfer but costs keeping that block alive between
-forward and backward; we keep memory minimal (`allgather.py` is the bytes-first kind).
+default) and every rank adds its share in fp32 after receiving. By default memory stays minimal (no
+K/V block outlives its ring step; `allgather.py` is the bytes-first kind).
+
+`keep_kv=True` (the plan's `cp_keep_kv`) trades memory for bytes: forward keeps every K/V block it
+received, so backward sends no K/V at all, and each block's dK/dV goes straight to its owner (step s:
+to rank - s, from rank + s) instead of travelling a full turn: cp-1 K/V messages and cp-1 dK/dV
+messages per rank in all, the all-gather kind's bytes (half the default ring's at cp=2), for (cp-1)
+extra [K; V] shards held per layer between forward and backward (one at cp=2; at larger cp the whole
+sequence's K/V, as the all-gather kind holds it).
 
 Which blocks are computed, and how, is decided by `ring_schedule` alone, which the work counter
 `score_elements` shares, so the balance test checks the schedule that actually runs:
@@ -162,7 +168,7 @@ def _gather_docs(doc_BS: torch.Tensor | None, group: dist.ProcessGroup, size: in
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend, grad_dtype):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend, grad_dtype, keep_kv):
         ring = _Ring(group)
         plan = ring_schedule(layout, causal, ring.size, ring.rank)
         docs = _gather_docs(doc_BS, group, ring.size)
@@ -170,7 +176,10 @@ class _RingAttention(torch.autograd.Function):
         out_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         lse_BHS = torch.full(q_BHSD.shape[:3], -math.inf, dtype=acc, device=q_BHSD.device)
         kv = torch.stack([k_BHSD, v_BHSD])  # one buffer, one message per step
+        received = []  # keep_kv: the blocks of steps 1.. cp-1, kept for backward
         for step, blk in enumerate(plan):
+            if keep_kv and step > 0:
+                received.append(kv)
             pending = ring.post(kv, _KV_TAG) if step < ring.size - 1 else None
             if blk is not None:
                 q_doc, kv_doc = _block_docs(docs, doc_BS, blk)
@@ -183,36 +192,30 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = ring.wait(pending)
         out = out_BHSD.to(q_BHSD.dtype)
-        ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out, lse_BHS)
-        ctx.opts = (group, plan, scale, backend, docs, doc_BS, grad_dtype)
+        ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out, lse_BHS, *received)
+        ctx.opts = (group, plan, scale, backend, docs, doc_BS, grad_dtype, keep_kv)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_BHSD):
-        q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS = ctx.saved_tensors
-        group, plan, scale, backend, docs, doc_BS, grad_dtype = ctx.opts
+        q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, *received = ctx.saved_tensors
+        group, plan, scale, backend, docs, doc_BS, grad_dtype, keep_kv = ctx.opts
         ring = _Ring(group)
         acc = acc_dtype(q_BHSD.dtype)
         wire = grad_dtype or acc  # dK/dV travel in the reduce dtype; every rank adds in fp32
         dq_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         kv = torch.stack([k_BHSD, v_BHSD])
+        if keep_kv:
+            dq, dkv = _backward_kept(ring, plan, [kv, *received], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD,
+                                     scale, backend, docs, doc_BS, wire)
+            return dq.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype), *([None] * 8)
         dkv_pending = None
         for step, blk in enumerate(plan):
             kv_pending = ring.post(kv, _KV_TAG) if step < ring.size - 1 else None
-            own = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # this rank's dK/dV for the block
-            if blk is not None:
-                q_doc, kv_doc = _block_docs(docs, doc_BS, blk)
-                dq_i, dk_i, dv_i = attention_backward(
-                    _half(dout_BHSD, blk.q_half, 2), _half(q_BHSD, blk.q_half, 2),
-                    _half(kv[0], blk.kv_half, 2), _half(kv[1], blk.kv_half, 2),
-                    _half(out_BHSD, blk.q_half, 2), _half(lse_BHS, blk.q_half, 2),
-                    causal_kind="causal" if blk.causal else "none", scale=scale, q_doc_BS=q_doc,
-                    kv_doc_BS=kv_doc, backend=backend,
-                )
-                _half(dq_BHSD, blk.q_half, 2).add_(dq_i)
-                _half(own[0], blk.kv_half, 2).add_(dk_i)
-                _half(own[1], blk.kv_half, 2).add_(dv_i)
+            # this rank's dK/dV for the block in hand
+            own = _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, docs,
+                               doc_BS, acc)
             if dkv_pending is not None:  # what the ranks before us accumulated for this block
                 own.add_(ring.wait(dkv_pending).to(acc))
             if ring.size == 1:
@@ -225,8 +228,53 @@ class _RingAttention(torch.autograd.Function):
         dkv = own if dkv_pending is None else ring.wait(dkv_pending)
         return (
             dq_BHSD.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype),
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
+
+
+def _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, docs, doc_BS, acc):
+    """dK/dV (fp32, [2, ...] like `kv`) of one block against the final out and lse; dQ added in place."""
+    own = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+    if blk is None:
+        return own
+    q_doc, kv_doc = _block_docs(docs, doc_BS, blk)
+    dq_i, dk_i, dv_i = attention_backward(
+        _half(dout_BHSD, blk.q_half, 2), _half(q_BHSD, blk.q_half, 2),
+        _half(kv[0], blk.kv_half, 2), _half(kv[1], blk.kv_half, 2),
+        _half(out_BHSD, blk.q_half, 2), _half(lse_BHS, blk.q_half, 2),
+        causal_kind="causal" if blk.causal else "none", scale=scale, q_doc_BS=q_doc,
+        kv_doc_BS=kv_doc, backend=backend,
+    )
+    _half(dq_BHSD, blk.q_half, 2).add_(dq_i)
+    _half(own[0], blk.kv_half, 2).add_(dk_i)
+    _half(own[1], blk.kv_half, 2).add_(dv_i)
+    return own
+
+
+def _backward_kept(ring: _Ring, plan, blocks, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend,
+                   docs, doc_BS, wire):
+    """Backward from the K/V blocks forward kept (`blocks[s]` came from rank - s): the other ranks'
+    blocks first, each block's dK/dV posted straight to its owner while the next is computed, then
+    this rank's own block, to which the others' shares are added in fp32 as they arrive."""
+    acc = dq_BHSD.dtype
+    group = ring.group
+    pending = []
+    for step in range(1, ring.size):
+        grads = _block_grads(plan[step], blocks[step], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale,
+                             backend, docs, doc_BS, acc).to(wire)
+        to = dist.get_global_rank(group, (ring.rank - step) % ring.size)
+        frm = dist.get_global_rank(group, (ring.rank + step) % ring.size)
+        recv = torch.empty_like(grads)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grads, to, group, _DKV_TAG + step),
+                                        dist.P2POp(dist.irecv, recv, frm, group, _DKV_TAG + step)])
+        pending.append((recv, works, grads))
+    dkv = _block_grads(plan[0], blocks[0], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend,
+                       docs, doc_BS, acc)
+    for recv, works, _ in pending:
+        for w in works:
+            w.wait()
+        dkv.add_(recv.to(acc))
+    return dq_BHSD, dkv
 
 
 def _block_docs(docs: list | None, doc_BS: torch.Tensor | None, blk: BlockStep):
@@ -248,6 +296,7 @@ def ring_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
+    keep_kv: bool = False,
 ) -> torch.Tensor:
     """Attention of the local query shard against the whole (sharded) sequence; returns local out.
 
@@ -255,7 +304,8 @@ def ring_attention(
     own (GQA) head count, never repeated. doc_ids_BS: this rank's shard of `sharding.document_ids` for
     packed sequences (block-diagonal masking), or None. grad_dtype: the dtype the travelling dK/dV
     buffers are sent in (None: fp32; bf16 halves the backward's gradient bytes); each rank still adds
-    its block's share in fp32.
+    its block's share in fp32. keep_kv: keep the received K/V blocks for backward (no K/V resent,
+    dK/dV sent straight to their owners: the all-gather kind's bytes, (cp-1) more K/V shards held).
     """
     if dropout_p:
         raise ValueError(
@@ -280,4 +330,4 @@ def ring_attention(
     if doc_ids_BS is not None:
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
     return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, layout, causal, scale, doc_ids_BS, backend,
-                                grad_dtype)
+                                grad_dtype, bool(keep_kv))

@@ -235,6 +235,12 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 ring * 2 * kv_loc * act, ring, step / 2)
             add("cp", "reduce_scatter", f"all-gather: dK/dV in {plan.reduce_dtype} (bwd)", m * blocks,
                 ring * 2 * kv_loc * red, ring, None)
+        elif ring > 1 and getattr(plan, "cp_keep_kv", False):
+            # K/V kept from forward: none sent in backward; each block's dK/dV straight to its owner
+            add("cp", "p2p", "ring, K/V kept: K/V blocks (fwd, recompute)", m * blocks * (ring - 1) * (1 + rec),
+                2 * kv_loc * act, ring, step)
+            add("cp", "p2p", f"ring, K/V kept: dK/dV in {plan.reduce_dtype} (bwd)", m * blocks * (ring - 1),
+                2 * kv_loc * red, ring, step)
         elif ring > 1:
             add("cp", "p2p", "ring: K/V blocks (fwd, recompute, bwd)", m * blocks * (ring - 1) * (2 + rec),
                 2 * kv_loc * act, ring, step)

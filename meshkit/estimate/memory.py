@@ -247,7 +247,8 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     elif ac == "selective" and plan.cp > 1 and kind == "allgather":
         # two kernel calls per local query chunk (key prefix, causal diagonal), each output kept
         per_block["attention"] = per_block.get("attention", 0) * 2
-    elif ac == "none" and plan.cp > 1 and kind == "allgather":
+    if ac == "none" and plan.cp > 1 and (kind == "allgather" or getattr(plan, "cp_keep_kv", False)):
+        # the other ranks' K/V held from forward to backward (the ring with cp_keep_kv keeps what it received)
         per_block["attention"] = per_block.get("attention", 0) + allgather_kv_bytes(config, plan, workload)
     transient = recompute_working_set(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
     if last:

@@ -40,6 +40,9 @@ DTYPES = {  # (param, reduce, AC): recompute re-issues the attention collectives
     "bf16": "param_dtype=bfloat16,reduce_dtype=bfloat16,activation_checkpointing=full",
 }
 PLANS = {f"{k}/{d}": f"{KINDS[k]},{DTYPES[d]}" for k in KINDS for d in DTYPES}
+# cp_keep_kv: the ring kinds keep forward's K/V for backward (no K/V resent, dK/dV straight to the owner)
+PLANS.update({f"{k}_keep/{d}": f"{KINDS[k]},cp_keep_kv=true,{DTYPES[d]}" for k in ("ring", "zigzag")
+              for d in (("fp32", "bf16_reduce_fp32") if k == "zigzag" else ("fp32",))})
 BATCH, SEQ = 2, 16
 
 
@@ -134,3 +137,10 @@ def test_plan_search_picks_the_cp_kind_the_numbers_favour() -> None:
                 alt.peak_bytes > plan_search.budget(est.DEVICES["h100"]), cand.describe()
             chosen.add(cand.plan.cp_attention)
     assert chosen == {"zigzag", "allgather"}
+
+
+def test_kept_kv_halves_the_ring_bytes_at_cp2(counted) -> None:
+    """cp=2 without AC: forward K/V, backward K/V again and dK/dV a full turn (4 shards per layer)
+    become forward K/V and one dK/dV message (2 shards): the all-gather kind's bytes."""
+    for kind in ("ring", "zigzag"):
+        assert counted[0][f"{kind}_keep/fp32"]["send@2"] * 2 == counted[0][f"{kind}/fp32"]["send@2"]
