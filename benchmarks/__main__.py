@@ -26,6 +26,7 @@ RESULTS = HERE / "results"
 BENCHMARKS = [
     ("overhead", [], False),
     ("communication", ["--out", str(RESULTS / "communication.md")], False),
+    ("cpu_time", ["--profile", "--out", str(RESULTS)], True),
     ("context_parallel", ["--out", str(RESULTS / "context_parallel.md")], True),
     ("pipeline", ["--out", str(RESULTS)], True),
     ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),

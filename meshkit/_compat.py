@@ -203,6 +203,22 @@ def storage_nbytes(tensor) -> int:
     return (local if local is not None else tensor).untyped_storage().nbytes()
 
 
+def p2p_send(group, tensor: torch.Tensor, group_peer: int, tag: int):
+    """Start a point-to-point send on `group` to its rank `group_peer`; returns the Work.
+
+    `dist.isend` is this call behind per-call Python checks (group lookup, global-to-group rank
+    translation, tensor checks) that the pipeline runtime, which checked its peers and tensors once
+    per schedule, pays on the critical path for every message. `ProcessGroup.send` is the bound c10d
+    method `dist.isend` ends in, in 2.11 through 2.13.
+    """
+    return group.send([tensor], group_peer, tag)
+
+
+def p2p_recv(group, tensor: torch.Tensor, group_peer: int, tag: int):
+    """Start a point-to-point receive into `tensor` from `group`'s rank `group_peer` (see `p2p_send`)."""
+    return group.recv([tensor], group_peer, tag)
+
+
 def torch_pipeline_order(schedule):
     """The per-rank action lists a `torch.distributed.pipelining` schedule derived (`pipeline_order`,
     entries are private `_Action`s), or None; the pipeline benchmark replays them in meshkit's simulator."""

@@ -28,7 +28,7 @@ from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_bl
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.expert_parallel import MoE, apply_expert_parallel
 from meshkit.inference import refuse_hf_forward
-from meshkit.models import llama
+from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
@@ -84,7 +84,8 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     """Check plan, model and mesh on every rank before any collective; then build the mesh if needed.
 
     HF sparse MoE blocks are converted to meshkit's `MoE` first (same Parameter objects), so the
-    MoE rules see the layers that will run.
+    MoE rules see the layers that will run; the blocks' structure (whole-projection q/k norms vs
+    replicated K/V heads) is checked here too, not when TP meets it after the mesh exists.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
@@ -95,8 +96,10 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
         mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
     plan = plan.validate(model.config, world)
-    problems = moe_models.plan_problems(llama.moe_modules(llama.parts(model)), model.config, pp=plan.pp, tp=plan.tp,
+    parts = llama.parts(model)
+    problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
+    problems += roles.model_problems(parts.blocks, model.config, plan.tp)
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:

@@ -73,6 +73,13 @@ def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, o
     return styles
 
 
+def _own_output(module: nn.Module, args, output):
+    """A layer's local output as a tensor of its own, not a view of the DTensor's local shard: HF
+    code modifies some in place (OLMoE clamps q, k and v by `clip_qkv`), which autograd forbids on a
+    view made by DTensor's custom `to_local` function. One copy of [B, S, features/tp]."""
+    return output.clone()
+
+
 def _shared_input_grad(role: str) -> PrepareModuleInput:
     """Without SP: hand the attention / MLP input to q, k, v (gate, up) as ONE Replicate DTensor.
 
@@ -110,6 +117,8 @@ def apply_tensor_parallel(
         roles_lib.localize_head_counts(block, roles, parts.config, tp_mesh.size())
         kept = {name: role for name, role in roles.items() if name not in rows}
         parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
+        for name in roles_lib.outputs_edited_in_place(kept, parts.config):
+            block.get_submodule(name).register_forward_hook(_own_output)
     if sequence_parallel:
         parallelize_module(parts.norm, tp_mesh, SequenceParallel())
     head = ColwiseParallel(

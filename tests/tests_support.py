@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+from hypothesis import settings
+
+CI_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
+
+
+def examples(ci: int) -> settings:
+    """Settings for a property test whose every example costs seconds of multi-rank work: `ci` examples
+    under the ci profile (derandomized: the same ones on every run), the loaded profile's count otherwise."""
+    return settings(max_examples=ci) if CI_PROFILE else settings()
+
 LOSS_TOL = 1e-5
 GRAD_TOL = 2e-6      # absolute, on gradients of order 1e-1
 NORM_TOL = 1e-5

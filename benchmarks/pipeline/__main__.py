@@ -46,7 +46,9 @@ from benchmarks.pipeline import profile, ranks
 from benchmarks.pipeline import torch_pipeline as torch_pp
 from benchmarks.pipeline.sections import (
     ZB_HEADERS,
+    breakdown_section,
     hf_section,
+    overhead_section,
     runnable,
     sleep_section,
     timelines,
@@ -55,6 +57,11 @@ from benchmarks.pipeline.sections import (
 )
 from benchmarks.report import machine_line, table
 
+PRIORITY_TEXT = {
+    "normal": "normal priority (SCHED_OTHER, nice 0), sharing the cores with the machine's other load",
+    "fifo": "every rank's threads under SCHED_FIFO priority 1 (other tenants' load cannot delay a wake-up; the "
+            "runtime's own CPU is still on the path)",
+}
 # A world whose torch schedule dies mid-step leaves its peers in a collective: give up on it after this.
 WORLD_TIMEOUT_S = 900.0
 
@@ -86,6 +93,7 @@ def header(args: argparse.Namespace, worlds: Sequence[int]) -> list[str]:
         f"sleep costs TF/TB/TW = {'/'.join(f'{c:g}' for c in args.costs)} ms per microbatch of a rank's whole "
         f"part (interleaved: each of its v=2 stages sleeps half); {args.reps} timed repetitions "
         f"(HF: {args.hf_reps}) after {args.warmup} warm-up, medians",
+        f"- sleep sections' scheduling: {PRIORITY_TEXT[args.priority]}",
         "",
     ]
 
@@ -94,7 +102,8 @@ def make_spec(args: argparse.Namespace, schedules: Sequence[tuple[str, int]]) ->
     """What every rank needs to know: microbatches, sleep costs, repetitions, schedules, the HF model."""
     return {
         "microbatches": args.microbatches, "costs_ms": list(args.costs), "reps": args.reps, "warmup": args.warmup,
-        "torch": not args.no_torch, "schedules": [list(s) for s in schedules], "sections": ["sleep", "hf"],
+        "torch": not args.no_torch, "priority": args.priority, "schedules": [list(s) for s in schedules],
+        "sections": [s for s in args.sections if s in ("sleep", "hf")],
         "sleep": {"rows": 4, "dim": 16},
         "hf": {"layers": args.layers, "heads": 4, "kv_heads": 2, "head_dim": args.hidden // 4,
                "intermediate": 2 * args.hidden, "vocab": 1024, "rows": 2, "seq": args.seq, "reps": args.hf_reps},
@@ -115,12 +124,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128, help="HF hidden size (4 heads, 2 KV heads)")
     p.add_argument("--seq", type=int, default=128, help="HF tokens per sequence (2 sequences per microbatch)")
     p.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["sleep", "hf", "profile"],
+                   help="comma-separated subset of sleep,hf,profile (default all; timelines are always drawn)")
     p.add_argument("--profile-steps", type=int, default=10, help="profiled steps per schedule in section 5")
     p.add_argument("--quick", action="store_true", help="under ~2 minutes: only --pp, fewer repetitions")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the PNG timelines and pipeline.md")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the PNG timelines and the report")
+    p.add_argument("--report", default="pipeline.md", help="the report's file name in --out")
+    p.add_argument("--priority", choices=("normal", "fifo"), default="normal",
+                   help="fifo: every rank's threads run the sleep section under SCHED_FIFO (needs CAP_SYS_NICE), so "
+                        "other tenants' CPU load does not delay their wake-ups; the HF section always runs normal")
     args = p.parse_args(argv)
     if len(args.costs) != 3:
         p.error("--costs takes three numbers: TF,TB,TW in ms")
+    if not set(args.sections) <= {"sleep", "hf", "profile"}:
+        p.error(f"--sections {','.join(args.sections)}: choose from sleep,hf,profile")
     args.reps = args.reps or (3 if args.quick else 7)
     args.hf_reps = args.hf_reps or (2 if args.quick else 5)
     return args
@@ -128,21 +145,60 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def report(args: argparse.Namespace, results: dict[int, list[dict]], plans: dict[int, list[tuple[str, int]]],
            notes: list[str]) -> list[str]:
-    """Sections 1-3 from every world's records."""
-    m, costs, worlds = args.microbatches, args.costs, list(results)
+    """Sections 1-3 (those that ran) from every world's records."""
+    m, worlds = args.microbatches, list(results)
     cfg = make_spec(args, [])["hf"]
     lines = header(args, worlds)
-    lines += ["## 1. Sleep stages: measured vs simulated", "",
-              "Ideal = meshkit's simulator at the configured costs and zero P2P latency; 'sim at measured sleeps' "
-              "replays the schedule with the sleep durations actually observed (oversleep on a loaded machine), so "
-              "that ratio is the runtime's own overhead. Bubble = idle share of ranks x step. 'sleeps in schedule "
-              "order': every rank's recorded F/B/W sleeps equal its action list (BW = the W hook, then B). "
-              "'implied overhead per action': the fixed time added to every F/B/W/BW at which the simulator "
-              "reproduces the measured step (all runtime overhead charged to the actions).", ""]
+    if "sleep" in args.sections:
+        lines += sleep_report(args, results, plans)
+    if "hf" in args.sections:
+        lines += ["## 3. HF LlamaForCausalLM stages (real compute)", "",
+                  f"{args.layers} layers, hidden {args.hidden}, 4 heads (2 KV), MLP {2 * args.hidden}, vocab 1024, "
+                  f"microbatch 2 x {args.seq} tokens, {m * 2 * args.seq} tokens per step, fp32; split by "
+                  "`meshkit.pipeline.split.split_layers` (embedding and head count as layers). pp ranks share "
+                  f"{os.cpu_count()} cores with whatever else runs (at normal priority), so wall-clock 'speed vs "
+                  "unsplit' measures CPU contention as much as the schedule; 'CPU vs unsplit' is the cost of "
+                  "splitting.", ""]
+        for world in worlds:
+            lines += [f"pp={world}, m={m}:", "", *hf_section(m, cfg, results[world], plans[world])]
+    return lines
+
+
+def sleep_report(args: argparse.Namespace, results: dict[int, list[dict]],
+                 plans: dict[int, list[tuple[str, int]]]) -> list[str]:
+    """Sections 1 and 2: sleep stages against the simulator and against torch, the overhead breakdown."""
+    m, costs, worlds = args.microbatches, args.costs, list(results)
+    lines = ["## 1. Sleep stages: measured vs simulated", "",
+             "Ideal = meshkit's simulator at the configured costs and zero P2P latency; 'sim at measured sleeps' "
+             "replays the schedule with the sleep durations actually observed (oversleep on a loaded machine), so "
+             "that ratio is the runtime's own overhead. Bubble = idle share of ranks x step. 'sleeps in schedule "
+             "order': every rank's recorded F/B/W sleeps equal its action list (BW = the W hook, then B; B, then "
+             "W on a rank whose list also has Ws). "
+             "'implied overhead per action': the fixed time added to every F/B/W/BW at which the simulator "
+             "reproduces the measured step (all runtime overhead charged to the actions).", ""]
     for world in worlds:
         lines += [f"pp={world}, m={m}:", "", *sleep_section(world, m, costs, results[world], plans[world])]
     lines += ["ZB-H1 vs 1F1B (idle time per rank and step time):", ""]
     lines += table(ZB_HEADERS, [zb_vs_1f1b(w, m, costs, results[w]) for w in worlds if ("zb_h1", 1) in plans[w]])
+    lines += ["### Runtime overhead: meshkit and torch against the simulation of their own orders", "",
+              "Each runtime's measured step over the simulator's replay of the order it ran (torch's: its "
+              "`pipeline_order`, with torch's first-stage ZB behaviour) at the sleep durations that runtime "
+              "actually slept in that repetition; median over repetitions. The variants ran interleaved in the "
+              "same rotation, so 'meshkit / torch' is the median of paired ratios.", ""]
+    for world in worlds:
+        lines += [f"pp={world}, m={m}:", "", *overhead_section(world, m, results[world], plans[world])]
+    lines += ["### Where meshkit's step goes: the measured critical path", "",
+              "Rebuilt from every rank's `run_schedule(trace=...)` timeline and its sleeps "
+              "(`benchmarks/pipeline/critical_path.py`): from the rank that finished last, back through every "
+              "receive whose sender posted after the wait began. The categories sum to the step; 'sleeps' is the "
+              "stages' stand-in compute, 'stage code' the rest of the model's own work around them (the stage "
+              "module and loss, autograd's backward, the deferred W matmuls: what torch runs too), 'runtime in "
+              "actions' a compute action's time outside its stage code and waits, "
+              "'delivery' a message in flight while its receiver waited, 'loop' the executor between actions, "
+              "'start/end' the path's start after the first rank's (barrier skew) and the timing harness. Median "
+              "ms over repetitions.", ""]
+    for world in worlds:
+        lines += [f"pp={world}, m={m}:", "", *breakdown_section(world, m, results[world], plans[world])]
     lines += ["## 2. meshkit vs torch.distributed.pipelining on the same sleep stages", "",
               "CPU = process time of all ranks in the step (gloo waits block, so it is the runtime's own work). "
               "torch's order simulated: the action list torch builds (`pipeline_order`, read through the private "
@@ -150,14 +206,6 @@ def report(args: argparse.Namespace, results: dict[int, list[dict]], plans: dict
               "first-stage behaviour under ZB (I does nothing, W runs the whole backward).", ""]
     for world in worlds:
         lines += [f"pp={world}, m={m}:", "", *torch_section(world, m, costs, results[world], plans[world])]
-    lines += ["## 3. HF LlamaForCausalLM stages (real compute)", "",
-              f"{args.layers} layers, hidden {args.hidden}, 4 heads (2 KV), MLP {2 * args.hidden}, vocab 1024, "
-              f"microbatch 2 x {args.seq} tokens, {m * 2 * args.seq} tokens per step, fp32; split by "
-              "`meshkit.pipeline.split.split_layers` (embedding and head count as layers). pp ranks share "
-              f"{os.cpu_count()} cores with whatever else runs, so wall-clock 'speed vs unsplit' measures CPU "
-              "contention as much as the schedule; 'CPU vs unsplit' is the cost of splitting.", ""]
-    for world in worlds:
-        lines += [f"pp={world}, m={m}:", "", *hf_section(m, cfg, results[world], plans[world])]
     return lines
 
 
@@ -172,27 +220,30 @@ def main(argv: list[str] | None = None) -> int:
     for world in worlds:
         plans[world], left_out = runnable(world, args.microbatches)
         notes += left_out
-        print(f"[pipeline] pp={world}: sleep and HF stages ({time.perf_counter() - start:.0f}s)", file=sys.stderr,
-              flush=True)
-        results[world] = run_world(world, make_spec(args, plans[world]), notes)
+        if {"sleep", "hf"} & set(args.sections):
+            print(f"[pipeline] pp={world}: {' and '.join(sorted({'sleep', 'hf'} & set(args.sections)))} "
+                  f"({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
+            results[world] = run_world(world, make_spec(args, plans[world]), notes)
     lines = report(args, results, plans, notes)
     text, pngs = timelines(args.pp, args.microbatches, args.costs, Path(args.out), plans[args.pp])
     lines += ["## 4. Simulated timelines", "", f"PNGs: {', '.join(str(p) for p in pngs)}", "",
               f"ZB-H1 at pp={args.pp}, m={args.microbatches} (time in units of TF = {args.costs[0]:g} ms):", "",
               *text]
-    print(f"[pipeline] pp={args.pp}: executor profile ({time.perf_counter() - start:.0f}s)", file=sys.stderr,
-          flush=True)
-    lines += ["## 5. Where the executor's CPU goes", "",
-              f"pp={args.pp}, m={args.microbatches}, sleeps set to 0, {args.profile_steps} profiled steps per "
-              "schedule: microseconds of CPU (cProfile on `time.process_time`, which inflates every Python "
-              "call, so read the split, not the absolute) per compute action, median over ranks. "
-              "`python -m benchmarks.pipeline.profile` prints the same table.", "",
-              *profile.run(args.pp, args.microbatches, args.profile_steps, plans[args.pp]), ""]
+    if "profile" in args.sections:
+        print(f"[pipeline] pp={args.pp}: executor profile ({time.perf_counter() - start:.0f}s)", file=sys.stderr,
+              flush=True)
+        lines += ["## 5. Where the executor's CPU goes", "",
+                  f"pp={args.pp}, m={args.microbatches}, sleeps set to 0, {args.profile_steps} profiled steps per "
+                  "schedule: microseconds of CPU (cProfile on `time.process_time`, which inflates every Python "
+                  "call, so read the split, not the absolute) per compute action, median over ranks. "
+                  "`python -m benchmarks.pipeline.profile` prints the same table.", "",
+                  *profile.run(args.pp, args.microbatches, args.profile_steps, plans[args.pp]), ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
-    lines.append(f"Total runtime {time.perf_counter() - start:.0f} s.")
+    lines.append(f"Total runtime {time.perf_counter() - start:.0f} s (load average at the end "
+                 f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}).")
     text_report = "\n".join(lines) + "\n"
     print(text_report)
-    (Path(args.out) / "pipeline.md").write_text(text_report)
+    (Path(args.out) / args.report).write_text(text_report)
     return 0
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.pipeline import torch_pipeline as torch_pp
+from benchmarks.pipeline.critical_path import CATEGORIES, critical_path
 from benchmarks.report import ms, paired, pct, table
 from meshkit.pipeline.schedules import (
     Action,
@@ -103,14 +104,14 @@ def stage_costs(costs_ms: Sequence[float], v: int) -> Costs:
     return Costs(forward=f, backward_input=b, backward_weight=w)
 
 
-def overhead_ratio(schedule: Schedule, t: Timing) -> float:
+def overhead_ratio(schedule: Schedule, t: Timing, costs_type: type[Costs] = Costs) -> float:
     """Median over repetitions of step / simulated step at that repetition's own sleep durations.
 
     Per repetition, because one badly overslept sleep on a loaded machine would skew a mean over all.
     """
     ratios = []
     for step, sleeps in zip(t.steps, t.sleeps):
-        costs = Costs(*(exact_ms(sleeps.get(kind, 0.0)) for kind in "FBW"))
+        costs = costs_type(*(exact_ms(sleeps.get(kind, 0.0)) for kind in "FBW"))
         ratios.append(step * MS / float(simulate(schedule, costs).step_time))
     return statistics.median(ratios)
 
@@ -175,11 +176,19 @@ def span_bubble(result: SimulationResult) -> Fraction:
 
 
 def expected_sequences(schedule: Schedule, torch_first_stage: bool = False) -> list[str]:
-    """Per rank, the sleeps its actions trigger; torch's first stage sleeps nothing in B and both in W."""
-    sleeps = dict(SLEEPS_OF)
-    first = {**sleeps, ActionKind.B: "", ActionKind.W: "WB"} if torch_first_stage else sleeps
-    return ["".join((first if a.stage == 0 else sleeps)[a.kind] for a in actions)
-            for actions in compute_only(schedule).ranks]
+    """Per rank, the sleeps its actions trigger; torch's first stage sleeps nothing in B and both in W.
+
+    On a meshkit rank whose list has W actions (DualPipeV mixes B/W with BW), the linears defer their
+    weight gradients in every backward, so a BW sleeps B first and then runs its W (the hook) at once.
+    """
+    out = []
+    for actions in compute_only(schedule).ranks:
+        sleeps = dict(SLEEPS_OF)
+        if not torch_first_stage and any(a.kind is ActionKind.W for a in actions):
+            sleeps[ActionKind.BW] = "BW"
+        first = {**sleeps, ActionKind.B: "", ActionKind.W: "WB"} if torch_first_stage else sleeps
+        out.append("".join((first if a.stage == 0 else sleeps)[a.kind] for a in actions))
+    return out
 
 
 def sequence_check(expected: list[str], got: list[str]) -> str:
@@ -286,6 +295,85 @@ def zb_vs_1f1b(p: int, m: int, costs_ms: Sequence[float], ranks: list[dict]) -> 
     return [p, measured[0], measured[1], f"{sim_idle['1f1b']:.0f} / {sim_idle['zb_h1']:.0f}",
             f"{sim_idle['zb_h1'] / sim_idle['1f1b']:.2f}", f"{formula:.2f}", measured[2],
             f"{float(sims['zb_h1'].step_time / sims['1f1b'].step_time):.3f}"]
+
+
+def measured_stage_costs(rep: Sequence[dict[str, Any]]) -> Costs:
+    """One repetition's mean model time per action kind over all ranks, from the traces' "stage" events
+    (the stage module and loss, the autograd backward, the deferred W: sleeps plus the code around
+    them). A BW is split into B and W by the W sleeps its weight hook took."""
+    spans: dict[str, list[float]] = {}
+    w_sleeps: list[float] = []
+    for rec in rep:
+        for kind, what, start, end in rec["trace"]:
+            if kind == "stage":
+                spans.setdefault(what[:2].rstrip("0123456789."), []).append(end - start)
+        w_sleeps += [end - start for k, start, end in rec["sleeps"] if k == "W"]
+    mean = {k: statistics.fmean(v) for k, v in spans.items()}
+    w = mean.get("W", statistics.fmean(w_sleeps) if w_sleeps else 0.0)
+    b = mean.get("B", mean.get("BW", w) - w)
+    return Costs(exact_ms(mean["F"]), exact_ms(b), exact_ms(w))
+
+
+def stage_time_ratio(schedule: Schedule, per_rank: list[list[dict]]) -> float:
+    """Median over repetitions of step / simulated step at that repetition's measured stage times."""
+    ratios = []
+    for rep in zip(*per_rank):
+        step = max(r["t1"] for r in rep) - min(r["t0"] for r in rep)
+        ratios.append(step * MS / float(simulate(schedule, measured_stage_costs(rep)).step_time))
+    return statistics.median(ratios)
+
+
+def overhead_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tuple[str, int]]) -> list[str]:
+    """The runtime-overhead target side by side: each runtime's step over the simulation of its own
+    order at the sleeps it actually slept (per repetition, then the median), and their paired ratio."""
+    info = ranks[0]["sleep"]
+    rows = []
+    for name, v in schedules:
+        mine, theirs = timing(ranks, "sleep", f"meshkit:{name}"), timing(ranks, "sleep", f"torch:{name}")
+        cls = torch_pp.PEERS[name][0] if name in torch_pp.PEERS else "none"
+        if isinstance(mine, Timing):
+            schedule = build_schedule(name, p, m, v)
+            recs = [r["sleep"]["times"][f"meshkit:{name}"] for r in ranks]
+            traced = all("trace" in rec for recs_ in recs for rec in recs_)
+            cells = [ms(mine.step), f"{overhead_ratio(schedule, mine):.3f}",
+                     f"{stage_time_ratio(schedule, recs):.3f}" if traced else "not traced"]
+        else:
+            cells = [f"did not run: {mine}", "", ""]
+        order = torch_schedule(info["torch_orders"].get(name, "not built"), cls, p * v, m)
+        if not isinstance(theirs, Timing):
+            why = info["torch_refused"].get(name) or theirs
+            rows.append([label(name, v), *cells, cls, f"n/a ({why})", "", ""])
+            continue
+        ratio = (f"{overhead_ratio(order, theirs, TorchFirstStageCosts):.3f}" if not isinstance(order, str)
+                 else f"n/a ({order})")
+        rows.append([label(name, v), *cells, cls, ms(theirs.step), ratio,
+                     f"{paired_ratio(mine, theirs):.3f}" if isinstance(mine, Timing) else "n/a"])
+    return table(["schedule", "meshkit (ms)", "meshkit measured / sim at its measured sleeps",
+                  "meshkit measured / sim at its measured stage times", "torch class",
+                  "torch (ms)", "torch measured / sim of torch's order at its measured sleeps",
+                  "meshkit / torch (paired)"], rows)
+
+
+def breakdown_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tuple[str, int]]) -> list[str]:
+    """meshkit's measured critical path per schedule (`critical_path`): median ms per category."""
+    rows = []
+    for name, v in schedules:
+        per_rank = [r["sleep"]["times"].get(f"meshkit:{name}") or [] for r in ranks]
+        if not all(per_rank) or any("trace" not in rec for recs in per_rank for rec in recs):
+            rows.append([label(name, v), "not traced"] + [""] * (len(CATEGORIES) + 1))
+            continue
+        schedule = build_schedule(name, p, m, v)
+        paths = [critical_path(schedule, list(rep)) for rep in zip(*per_rank)]
+        t = timing(ranks, "sleep", f"meshkit:{name}")
+        cat = {c: statistics.median(path[c] for path in paths) for c in CATEGORIES}
+        runtime = statistics.median(sum(path[c] for c in CATEGORIES if c not in ("sleeps", "stage code"))
+                                    for path in paths)
+        rows.append([label(name, v), ms(t.step), *(f"{cat[c] * MS:.1f}" for c in CATEGORIES),
+                     f"{runtime * MS:.1f} ({runtime / t.step:.1%})",
+                     f"{statistics.median(path['hops'] for path in paths):.0f}"])
+    return table(["schedule", "step (ms)", *(f"{c} (ms)" for c in CATEGORIES),
+                  "the runtime's part: all but sleeps and stage code (ms, share of step)", "P2P hops on the path"],
+                 rows)
 
 
 def torch_section(p: int, m: int, costs_ms: Sequence[float], ranks: list[dict],

@@ -105,6 +105,7 @@ class MoE(nn.Module):
         normalize_topk: bool = True,
         route_scale: float = 1.0,
         shared_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
         capacity_factor: float | None = None,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
@@ -138,6 +139,12 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, expert_backend, **factory)
         self.shared_expert = (
             SwiGLU(hidden_size, shared_intermediate_size, **factory) if shared_intermediate_size else None
+        )
+        if shared_expert_gate and not shared_intermediate_size:
+            raise ValueError("shared_expert_gate=True needs a shared expert; fix: set shared_intermediate_size")
+        # Qwen2-MoE: the shared expert's output is scaled per token by sigmoid(x . w), w one [1, H] row.
+        self.shared_expert_gate = (
+            nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
         )
         if bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
@@ -180,6 +187,8 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             for lin in (self.shared_expert.gate_proj, self.shared_expert.up_proj, self.shared_expert.down_proj):
                 nn.init.normal_(lin.weight, std=self.init_std)
+        if self.shared_expert_gate is not None:
+            nn.init.normal_(self.shared_expert_gate.weight, std=self.init_std)
 
     # -- routing ------------------------------------------------------------------------------------
 
@@ -263,7 +272,10 @@ class MoE(nn.Module):
         y_GH = self.experts(rows_GH, routing.plan.tokens_per_local_expert, routing.plan.local_counts_E)
         out_TH = combine(y_GH, routing.plan, weights_TK).to(x.dtype)
         if self.shared_expert is not None:
-            out_TH = out_TH + self.shared_expert(x_TH)
+            shared_TH = self.shared_expert(x_TH)
+            if self.shared_expert_gate is not None:
+                shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
+            out_TH = out_TH + shared_TH
 
         if stats_needed:
             out_TH = self._balance(out_TH, logits_TE, scores_TE, routing, recompute)

@@ -24,7 +24,8 @@ from meshkit.models import quirks as quirks_lib
 # README's support matrix lists them with every axis. The code below reads roles and quirks from
 # configs and module structure; this list only records what has been proven equal to HF.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2",
-                         "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "glm4", "helium")
+                         "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "glm4", "helium", "qwen2_moe",
+                         "olmoe")
 
 # Role of each layer inside a decoder block, by HF name relative to the block.
 #   colwise / rowwise : linear layers split on output / input features under TP

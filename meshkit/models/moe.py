@@ -3,9 +3,10 @@
 Like `llama.py`, this is a module that knows Hugging Face names; the rest of meshkit only ever sees
 `MoE` layers. Two kinds of model qualify:
 
-- **HF MoE models** (`mixtral`, `qwen3_moe`): each decoder block's `mlp` is a sparse block with a
-  `gate` router ([E, H] weight) and fused `experts` (`gate_up_proj` [E, 2I, H], `down_proj`
-  [E, H, I]; Qwen3-MoE keeps dense `Qwen3MoeMLP`s in `mlp_only_layers`). `convert_moe_blocks`
+- **HF MoE models** (`mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`): each decoder block's `mlp` is a
+  sparse block with a `gate` router ([E, H] weight) and fused `experts` (`gate_up_proj` [E, 2I, H],
+  `down_proj` [E, H, I]; Qwen2/3-MoE keep dense MLPs in `mlp_only_layers`; Qwen2-MoE adds a
+  `shared_expert` scaled by sigmoid(`shared_expert_gate`), which `MoE` has as options). `convert_moe_blocks`
   replaces each sparse block with an `MoE` that holds *the same Parameter objects* (no copy, works on
   the meta device) under the same names, so `model.state_dict()` keeps exactly HF's keys, shapes and
   dtypes and checkpoints load and save with HF's own code.
@@ -15,7 +16,7 @@ Like `llama.py`, this is a module that knows Hugging Face names; the rest of mes
   rebuild itself.
 
 Why conversion is lossless: HF routes with softmax over fp32 probabilities, top-k, then renormalises
-(Mixtral always, Qwen3-MoE when `norm_topk_prob`); `MoE` does the same with `score_func="softmax"`
+(Mixtral always, Qwen2/3-MoE and OLMoE when `norm_topk_prob`); `MoE` does the same with `score_func="softmax"`
 and `normalize_topk` from the config. HF computes the router logits in the model dtype and meshkit in
 fp32: identical for fp32 models, a documented difference for bf16 ones.
 
@@ -62,13 +63,27 @@ __all__ = [
     "to_hf_state_dict",
 ]
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 LLAMA_MOE_KEY = "meshkit_moe"  # config attribute that turns a Llama-family model into a Llama-MoE
 
-# HF sparse-block class -> (config field holding E, config flag to renormalise top-k; None: always)
-_HF_BLOCKS: dict[str, tuple[str, str | None]] = {
-    "MixtralSparseMoeBlock": ("num_local_experts", None),
-    "Qwen3MoeSparseMoeBlock": ("num_experts", "norm_topk_prob"),
+
+@dataclass(frozen=True)
+class _BlockFormat:
+    """How one HF sparse-block class maps onto `MoE`: where E lives in the config, which flag
+    renormalises the top-k weights (None: always), and the submodule names of its shared expert and
+    of that expert's sigmoid gate (None: it has none)."""
+
+    experts_field: str
+    norm_field: str | None
+    shared: str | None = None
+    shared_gate: str | None = None
+
+
+_HF_BLOCKS: dict[str, _BlockFormat] = {
+    "MixtralSparseMoeBlock": _BlockFormat("num_local_experts", None),
+    "Qwen3MoeSparseMoeBlock": _BlockFormat("num_experts", "norm_topk_prob"),
+    "Qwen2MoeSparseMoeBlock": _BlockFormat("num_experts", "norm_topk_prob", "shared_expert", "shared_expert_gate"),
+    "OlmoeSparseMoeBlock": _BlockFormat("num_experts", "norm_topk_prob"),
 }
 # Options a caller may set on converted layers; anything else would change what the layer computes
 # in ways HF's weights know nothing about (shared experts, sigmoid scores).
@@ -92,7 +107,9 @@ def moe_spec(config: Any) -> MoESpec | None:
     if model_type == "mixtral":
         return MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                        tuple(range(n_layers)))
-    if model_type == "qwen3_moe":
+    if model_type == "olmoe":
+        return MoESpec(config.num_experts, config.num_experts_per_tok, config.intermediate_size, tuple(range(n_layers)))
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = max(int(config.decoder_sparse_step), 1), set(config.mlp_only_layers or ())
         layers = tuple(i for i in range(n_layers) if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, layers)
@@ -125,7 +142,7 @@ def plan_problems(moes: list[MoE], config: Any, *, pp: int, tp: int, ep: int, se
     if ep > 1 and not moes:
         problems.append(
             f"ep={ep}: the model has no meshkit MoE layers to shard; fix: ep=1, or swap its MLPs for "
-            f"meshkit.MoE layers (HF Mixtral / Qwen3-MoE blocks are converted automatically)"
+            f"meshkit.MoE layers (HF sparse blocks of {MOE_MODEL_TYPES} are converted automatically)"
         )
     if moes and expert_split_problem(ep, moes[0].num_experts):
         problems.append(expert_split_problem(ep, moes[0].num_experts))
@@ -184,17 +201,21 @@ def _check_hf_config(config: Any) -> None:
 def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     """One HF sparse block -> an `MoE` owning the block's own Parameters (no copy; meta stays meta)."""
     _check_hf_config(config)
-    experts_field, norm_field = _HF_BLOCKS[type(block).__name__]
+    fmt = _HF_BLOCKS[type(block).__name__]
+    experts_field, norm_field = fmt.experts_field, fmt.norm_field
     router_weight: nn.Parameter = block.gate.weight
     gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
-    if getattr(block.experts, "is_transposed", False):  # not Mixtral / Qwen3-MoE; would need from_hf_layout
+    if getattr(block.experts, "is_transposed", False):  # none of MOE_MODEL_TYPES; would need from_hf_layout
         raise ValueError(f"{type(block).__name__} stores transposed experts, which this adapter does not map")
     num_experts, hidden = router_weight.shape
     if num_experts != getattr(config, experts_field):
         raise ValueError(f"{type(block).__name__}: router has {num_experts} experts, config.{experts_field}="
                          f"{getattr(config, experts_field)}")
     inter = down.shape[-1]
+    shared = getattr(block, fmt.shared) if fmt.shared else None
     moe = MoE(hidden, inter, num_experts, config.num_experts_per_tok, score_func="softmax",
+              shared_intermediate_size=0 if shared is None else shared.down_proj.in_features,
+              shared_expert_gate=fmt.shared_gate is not None,
               normalize_topk=True if norm_field is None else bool(getattr(config, norm_field)),
               aux_loss_coef=options.get("aux_loss_coef", 0.0), z_loss_coef=options.get("z_loss_coef", 0.0),
               bias_update_rate=options.get("bias_update_rate", 0.0),
@@ -204,6 +225,11 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     # the identity for these models), and optimizer/FSDP references to them stay valid.
     moe.gate.weight = router_weight
     moe.experts.gate_up_proj, moe.experts.down_proj = gate_up, down
+    if shared is not None:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(moe.shared_expert, name).weight = getattr(shared, name).weight
+    if fmt.shared_gate is not None:
+        moe.shared_expert_gate.weight = getattr(block, fmt.shared_gate).weight
     init_moe_buffers(moe, router_weight.device)
     moe.keep_router_stats = bool(getattr(config, "output_router_logits", False))
     moe.register_forward_hook(_feed_hf_router_logits)
@@ -258,7 +284,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], config: Any) -> dict[str, Te
     """A converted HF model's state dict with exactly HF's keys (shapes and layout already are HF's).
 
     Converted names are HF's; the one thing to drop is meshkit-only state: DeepSeek-V3's
-    `expert_bias` (only present with `bias_update_rate > 0`), for which Mixtral / Qwen3-MoE have no
+    `expert_bias` (only present with `bias_update_rate > 0`), for which these HF models have no
     slot. Llama-MoE state dicts are returned as they are: there is no HF class to map them to.
     """
     if _is_llama_moe(config) or getattr(config, "model_type", None) not in MOE_MODEL_TYPES:

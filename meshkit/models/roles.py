@@ -105,6 +105,19 @@ def block_roles(block: nn.Module, config) -> dict[str, str]:
     return roles
 
 
+def outputs_edited_in_place(roles: dict[str, str], config) -> list[str]:
+    """The layers whose outputs the HF attention modifies in place: with `clip_qkv` (OLMo, OLMoE) it
+    clamps q, k and v in place right after their projections (after the q/k norms where there are
+    any). Under TP those outputs are views of DTensor shards, which must then be copied first."""
+    if not getattr(config, "clip_qkv", None):
+        return []
+    names = []
+    for part in ("q", "k", "v"):
+        norm, proj = f"self_attn.{part}_norm", f"self_attn.{part}_proj"
+        names += [norm] if norm in roles else [proj] if proj in roles else []
+    return names
+
+
 def kv_rows(config, tp: int, rank: int) -> tuple[int, int] | None:
     """The rows of a K/V projection rank `rank` computes when tp exceeds the K/V heads, or None
     when tp divides them (plain colwise). With tp = c * kv_heads, ranks [h*c, (h+1)*c) share head h."""
@@ -115,15 +128,40 @@ def kv_rows(config, tp: int, rank: int) -> tuple[int, int] | None:
     return head * head_dim, (head + 1) * head_dim
 
 
+def replication_problem(roles: dict[str, str], config, tp: int) -> str | None:
+    """Why `tp` cannot replicate this block's K/V heads, naming the largest degree that works, or None.
+
+    A q/k norm over the whole projection (OLMo-2, OLMoE) normalises all K/V heads together; a rank
+    holding one replicated K/V head sees only that head's features, so its variance would be wrong.
+    """
+    heads, kv_heads, _ = attention_dims(config)
+    if tp <= 1 or kv_heads % tp == 0 or "row_norm" not in roles.values():
+        return None
+    ok = [d for d in range(1, tp + 1) if kv_heads % d == 0 and heads % d == 0]
+    return (f"tp={tp}: this model's q/k norms span the whole projection (all {kv_heads} K/V heads), which a rank "
+            f"holding replicated K/V heads cannot normalise, so tp must divide num_key_value_heads={kv_heads}; "
+            f"the largest tp that works is {max(ok)}; fix: tp in {ok}")
+
+
+def model_problems(blocks: list[nn.Module], config, tp: int) -> list[str]:
+    """What the module structure rules out for `tp`, before any collective (the config alone cannot
+    show whether a q/k norm spans the whole projection). One entry per distinct problem."""
+    problems: list[str] = []
+    for block in blocks:
+        problem = replication_problem(block_roles(block, config), config, tp)
+        if problem and problem not in problems:
+            problems.append(problem)
+    return problems
+
+
 def selected_rows(roles: dict[str, str], config, tp: int, rank: int) -> dict[str, list[tuple[int, int]]]:
     """{layer: row ranges of its weight this rank computes} for layers plain colwise cannot split."""
     heads, kv_heads, head_dim = attention_dims(config)
     out: dict[str, list[tuple[int, int]]] = {}
     kv = kv_rows(config, tp, rank)
-    if kv is not None and "row_norm" in roles.values():
-        raise ValueError(f"tp={tp}: this model's q/k norms span the whole projection (all K/V heads), which a rank "
-                         f"holding replicated K/V heads cannot normalise; fix: tp of at most num_key_value_heads="
-                         f"{kv_heads} (a divisor of it)")
+    problem = replication_problem(roles, config, tp)
+    if problem:
+        raise ValueError(problem)
     for name, role in roles.items():
         if role == "kv_colwise" and kv is not None:
             out[name] = [kv]

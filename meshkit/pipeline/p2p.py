@@ -18,18 +18,23 @@ NCCL ignores tags and matches per peer in posting order, and a send may hold its
 peer's receive is posted. Posting each run of consecutive transfers as one `batch_isend_irecv`
 group is how torch's own schedules avoid the send/send cross between neighbours; the ordering
 argument above does not cover NCCL's in-order matching and has not been checked on GPUs. On gloo,
-where tags do the matching and nothing is coalesced, each transfer is posted by itself with
-`isend`/`irecv`: the same messages for about half the CPU per message (the batch path's checks and
-coalescing manager cost ~50-80 us per op against ~36 us, measured on this project's 2-core machine).
+where tags do the matching and nothing is coalesced, each transfer is posted by itself on the
+process group (the `send`/`recv` that `dist.isend`/`irecv` end in, without their per-call Python
+checks): the batch path's checks and coalescing manager cost ~50-80 us of CPU per op, `isend` ~36
+us (measured on this project's 2-core machine), and every microsecond of it sits between one
+rank's compute and the next rank's whenever the message is on the critical path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from meshkit._compat import p2p_recv, p2p_send
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,11 @@ def wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous()
 
 
-@dataclass(frozen=True)
-class Transfer:
-    """One message: `send` or receive of `tensor` with pipeline rank `peer` under `tag`."""
+class Transfer(NamedTuple):
+    """One message: `send` or receive of `tensor` with pipeline rank `peer` under `tag`.
+
+    A tuple rather than a frozen dataclass: the runtime builds one per message on the critical path.
+    """
 
     send: bool
     peer: int
@@ -83,9 +90,8 @@ class Transfers:
         """Start every transfer of `batch` at once; `key`s name receives for `take`."""
         if not batch:
             return
-        if not self._batched:
-            works = [(dist.isend if t.send else dist.irecv)(t.tensor, self._global[t.peer], self.group, t.tag)
-                     for _, t in batch]
+        if not self._batched:  # the group-local peer, straight to the group (see `p2p_send`)
+            works = [(p2p_send if t.send else p2p_recv)(self.group, t.tensor, t.peer, t.tag) for _, t in batch]
         else:
             ops = [
                 dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, self._global[t.peer], self.group, t.tag)

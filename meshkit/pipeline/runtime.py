@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
 from meshkit.zero.stages import fsdp_roots
 
-__all__ = ["LossFn", "Shapes", "TensorMeta", "run_schedule"]
+__all__ = ["LossFn", "Shapes", "TensorMeta", "TraceEvent", "run_schedule"]
 
 LossFn = Callable[[Any, int], torch.Tensor]
 #: One meta for every boundary, one per boundary (keyed by the sending stage), or a function of
@@ -50,6 +51,20 @@ K = ActionKind
 _COMM = frozenset({K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B})
 #: A receive is posted this many compute actions before the compute that consumes it (see `_steps`).
 RECEIVE_LOOKAHEAD = 1
+
+
+class TraceEvent(NamedTuple):
+    """One interval of a rank's step, on `time.perf_counter`'s clock (system-wide on Linux, so the
+    ranks of one machine share it): `kind` is "call" (the whole `run_schedule`), "compute" (an F, B,
+    W or BW, waits included), "stage" (inside a compute: the stage module and the loss, the autograd
+    backward, or the deferred weight gradients: the model's own work, as opposed to the runtime's),
+    "post" (a batch of sends and receives being started) or "wait" (blocked on a receive inside a
+    compute); `what` is the action, or the tuple of actions posted."""
+
+    kind: str
+    what: object
+    start: float
+    end: float
 
 
 def run_schedule(
@@ -64,6 +79,7 @@ def run_schedule(
     device: torch.device | str | None = None,
     reduce_grads: bool = True,
     reshard: bool = True,
+    trace: list[TraceEvent] | None = None,
 ) -> list[torch.Tensor]:
     """Run this rank's actions of `schedule`; return the detached per-microbatch losses (last stage only).
 
@@ -76,11 +92,17 @@ def run_schedule(
     plain tensor described by `shapes` (a DTensor output travels as its local shard and its
     gradient is rebuilt with the output's placements). The last stage's output goes to
     `loss_fn(output, microbatch)`, whose result is backpropagated as is.
+
+    `trace`, if given, receives this rank's measured timeline as `TraceEvent`s (what a profiler
+    would show, at ~1 us per event): where a step's time goes beyond the stages' own compute, which
+    is what `benchmarks/pipeline/critical_path.py` reconstructs into the critical path across ranks.
     """
+    entered = time.perf_counter()
     rank = dist.get_rank(pp_group)
     _validate(schedule, rank, dist.get_world_size(pp_group), stages, microbatch_inputs, loss_fn,
               shapes, stage_kwargs)
-    run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device)
+    run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device,
+                   trace)
     actions = schedule.ranks[rank]
     splits = any(a.kind is K.W for a in actions)
     fsdp = (contextlib.nullcontext() if schedule.forward_only else
@@ -92,22 +114,31 @@ def run_schedule(
             action, position = transfers[0] if transfers else compute
             try:
                 if transfers:
+                    start = time.perf_counter() if trace is not None else 0.0
                     run.post([a for a, _ in transfers])
+                    if trace is not None:
+                        trace.append(TraceEvent("post", tuple(a for a, _ in transfers), start, time.perf_counter()))
                 if compute is not None:
                     action, position = compute
+                    start = time.perf_counter() if trace is not None else 0.0
                     run.compute(action, deferred=splits)
+                    if trace is not None:
+                        trace.append(TraceEvent("compute", action, start, time.perf_counter()))
             except Exception as exc:
                 _note(exc, f"meshkit pipeline rank {rank} failed in {action} (position {position} "
                            f"of {len(actions)} in schedule {schedule.name!r})")
                 raise
         run.finish()
+    if trace is not None:
+        trace.append(TraceEvent("call", schedule.name, entered, time.perf_counter()))
     return [run.losses[mb] for mb in sorted(run.losses)]
 
 
 class _RankRun:
     """The state of one rank during one schedule: what each (stage, microbatch) still holds."""
 
-    def __init__(self, schedule, rank, stages, group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device):
+    def __init__(self, schedule, rank, stages, group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device,
+                 trace=None):
         self.owner = schedule.stage_to_rank()
         self.keep = not schedule.forward_only  # what backward needs; evaluation drops each tensor once used
         self.last = schedule.num_stages - 1
@@ -122,6 +153,7 @@ class _RankRun:
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.pending: dict[tuple[int, int], PendingWeightGrads] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.trace = trace
 
     def post(self, actions: Sequence[Action]) -> None:
         """Start these sends and receives as one batch (receives are waited on by their consumer)."""
@@ -134,7 +166,10 @@ class _RankRun:
         elif action.kind in (K.B, K.BW):
             self._backward(action.stage, action.microbatch, weights_now=action.kind is K.BW, deferred=deferred)
         else:
+            start = time.perf_counter() if self.trace is not None else 0.0
             self.pending.pop((action.stage, action.microbatch)).run()
+            if self.trace is not None:
+                self.trace.append(TraceEvent("stage", action, start, time.perf_counter()))
 
     # ------------------------------------------------------------------ compute
     def _forward(self, s: int, mb: int) -> None:
@@ -144,40 +179,54 @@ class _RankRun:
             if self.owner[s - 1] == self.rank:  # same tensor the wire would carry, without the wire
                 x = wire_tensor(self.outputs[(s - 1, mb)] if self.keep else self.outputs.pop((s - 1, mb)))
             else:
-                x = self.p2p.take((K.RECV_F, s, mb))
+                x = self._take(K.RECV_F, s, mb)
             if self.keep:
                 x.requires_grad_(x.is_floating_point())
                 self.stage_inputs[(s, mb)] = x
         kwargs = self.stage_kwargs[mb] if self.stage_kwargs is not None else {}
+        start = time.perf_counter() if self.trace is not None else 0.0
         out = self.stages[s](x, **kwargs)
         if s == self.last:
             out = self.loss_fn(out, mb)
             self.losses[mb] = out.detach()
-            if not self.keep:
-                return
-        self.outputs[(s, mb)] = out
+        if self.trace is not None:
+            self.trace.append(TraceEvent("stage", Action(K.F, s, mb), start, time.perf_counter()))
+        if s < self.last or self.keep:
+            self.outputs[(s, mb)] = out
 
     def _backward(self, s: int, mb: int, weights_now: bool, deferred: bool) -> None:
         out = self.outputs.pop((s, mb))
         grad = None
         if s < self.last:
             grad = (self.input_grads.pop((s + 1, mb)) if self.owner[s + 1] == self.rank
-                    else self.p2p.take((K.RECV_B, s, mb)))
+                    else self._take(K.RECV_B, s, mb))
             if isinstance(out, DTensor) and not isinstance(grad, DTensor):
                 grad = DTensor.from_local(grad, out.device_mesh, out.placements, run_check=False,
                                           shape=out.shape, stride=out.stride())
         pending = PendingWeightGrads()
+        start = time.perf_counter() if self.trace is not None else 0.0
         with collecting(pending) if deferred else contextlib.nullcontext():
             torch.autograd.backward(out, grad)
         if weights_now:
             pending.run()
         else:
             self.pending[(s, mb)] = pending
+        if self.trace is not None:
+            kind = K.BW if weights_now else K.B
+            self.trace.append(TraceEvent("stage", Action(kind, s, mb), start, time.perf_counter()))
         if s > 0:
             x = self.stage_inputs.pop((s, mb))
             self.input_grads[(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
 
     # ------------------------------------------------------------- transfers
+    def _take(self, kind: ActionKind, s: int, mb: int) -> torch.Tensor:
+        if self.trace is None:
+            return self.p2p.take((kind, s, mb))
+        start = time.perf_counter()
+        tensor = self.p2p.take((kind, s, mb))
+        self.trace.append(TraceEvent("wait", Action(kind, s, mb), start, time.perf_counter()))
+        return tensor
+
     def _transfer(self, action: Action) -> tuple[object, Transfer]:
         s, mb = action.stage, action.microbatch
         if action.kind is K.SEND_F:
@@ -195,7 +244,7 @@ class _RankRun:
 
     def _checked(self, tensor: torch.Tensor, boundary: int, mb: int, what: str) -> torch.Tensor:
         meta = _meta(self.shapes, boundary, mb)
-        if TensorMeta.of(tensor) != meta:
+        if tensor.shape != meta.shape or tensor.dtype != meta.dtype:  # torch.Size equals the tuple
             raise ValueError(
                 f"stage {boundary if what == 'output' else boundary + 1} {what} for microbatch {mb} is "
                 f"{tuple(tensor.shape)} {tensor.dtype}, but shapes declares {meta.shape} {meta.dtype} for the "

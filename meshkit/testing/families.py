@@ -28,12 +28,20 @@ FAMILY_FIELDS: dict[str, tuple] = {
     "smollm3": (("no_rope_layers", [1, 0]),),
     "glm4": (),
     "helium": (),
+    # MoE families (4 experts, top-2; `MOE_FIELDS`): Qwen2-MoE's gated shared expert and a dense first
+    # layer, un-normalised top-k; OLMoE's whole-projection q/k norms with clipped q/k/v.
+    "qwen2_moe": (("shared_expert_intermediate_size", 24), ("mlp_only_layers", [0]), ("norm_topk_prob", False)),
+    "olmoe": (("clip_qkv", 0.5), ("norm_topk_prob", False)),
 }
+# The ModelSpec fields every MoE family's tiny model uses.
+MOE_FIELDS = {"experts": 4, "top_k": 2, "intermediate": 16}
+MOE_KINDS = ("qwen2_moe", "olmoe")
 
 
 def family_spec(kind: str, **fields) -> ModelSpec:
     """The tiny `ModelSpec` of family `kind` (any ModelSpec field may be overridden)."""
-    return ModelSpec(kind=kind, extra=FAMILY_FIELDS[kind], **fields)
+    defaults = MOE_FIELDS if kind in MOE_KINDS else {}
+    return ModelSpec(kind=kind, extra=FAMILY_FIELDS[kind], **{**defaults, **fields})
 
 
 def ring_refusal(kind: str, seq: int) -> str | None:

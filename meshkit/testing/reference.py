@@ -34,8 +34,10 @@ MODEL_CLASSES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
     "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
 }
-HF_MOE_KINDS = ("mixtral", "qwen3_moe")
+HF_MOE_KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 # Families whose default special-token ids lie outside a tiny vocabulary: set them inside it.
 _SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _ORIGINAL_KINDS = ("llama", "qwen3", "qwen2", "mistral", "mixtral", "qwen3_moe")
@@ -69,6 +71,11 @@ class ModelSpec:
         elif self.kind == "qwen3_moe":
             extra = dict(num_experts=self.experts, num_experts_per_tok=self.top_k, norm_topk_prob=True,
                          moe_intermediate_size=self.intermediate, decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.kind == "qwen2_moe":  # the family's fields (shared expert, dense layers) come in `extra`
+            extra = dict(extra, num_experts=self.experts, num_experts_per_tok=self.top_k,
+                         moe_intermediate_size=self.intermediate)
+        elif self.kind == "olmoe":
+            extra = dict(extra, num_experts=self.experts, num_experts_per_tok=self.top_k)
         return cfg_cls(
             hidden_size=self.heads * self.head_dim, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,

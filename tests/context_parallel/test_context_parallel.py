@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tests_support import assert_matches_reference
+from tests_support import assert_matches_reference, examples
 
 import meshkit
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
@@ -48,6 +48,7 @@ def cp_cases(draw):
     return world, plan, model, batch
 
 
+@examples(ci=4)
 @given(cp_cases())
 def test_random_context_parallel_plans_match_single_device(dist, case):
     world, plan, model, batch = case

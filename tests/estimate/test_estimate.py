@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests_support import CI_PROFILE, examples
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
@@ -470,7 +471,7 @@ SEARCH_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_key_value_heads=4, vocab_size=4096)
 
 
-@settings(deadline=None)
+@examples(ci=3)
 @given(world=st.sampled_from([4, 8, 16, 32]), seq=st.sampled_from([512, 1024, 2048]),
        memory_mib=st.sampled_from([48, 128, 512, 4096]), batch_seqs=st.sampled_from([8, 32, 128]))
 def test_plan_search_returns_valid_plans_that_fit(world, seq, memory_mib, batch_seqs) -> None:
@@ -491,7 +492,7 @@ def test_plan_search_returns_valid_plans_that_fit(world, seq, memory_mib, batch_
     assert times == sorted(times)
 
 
-@settings(deadline=None, max_examples=6)
+@settings(deadline=None, max_examples=3 if CI_PROFILE else 6)
 @given(world=st.sampled_from([4, 8]), memory_mib=st.sampled_from([24, 64, 1024]))
 def test_plan_search_moe_returns_valid_expert_parallel_plans(world, memory_mib) -> None:
     import dataclasses

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tests_support import assert_matches_reference
+from tests_support import assert_matches_reference, examples
 from torch.distributed.tensor import DTensor
 
 import meshkit
@@ -67,6 +67,7 @@ def ep_cases(draw):
     return world, plan, model, batch
 
 
+@examples(ci=4)
 @given(ep_cases())
 def test_random_expert_parallel_plans(dist, case):
     world, plan, model, batch = case

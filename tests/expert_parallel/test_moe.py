@@ -318,27 +318,37 @@ def test_layer_matches_dense_fp64_loop(data):
     _close(moe(x).double(), _dense_reference(moe, x), "output vs fp64 loop", atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_layer_equals_hf_sparse_blocks(model):
-    """HF's state dict loads as is and gives the outputs of HF's blocks, to the bit in fp32."""
+    """HF's state dict loads as is and gives the outputs of HF's blocks, to the bit in fp32
+    (Qwen2-MoE: with its shared expert scaled by sigmoid(shared_expert_gate))."""
+    options = {}
     if model == "mixtral":
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
 
         config, normalize = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=6,
                                           num_experts_per_tok=2), True
-    else:
+    elif model == "qwen3_moe":
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
 
         config, normalize = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6,
                                            num_experts_per_tok=2, norm_topk_prob=False), False
+    else:
+        from transformers import Qwen2MoeConfig
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
+
+        config, normalize = Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6,
+                                           num_experts_per_tok=2, norm_topk_prob=False,
+                                           shared_expert_intermediate_size=12), False
+        options = dict(shared_intermediate_size=12, shared_expert_gate=True)
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     hf = Block(config)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.4)
-    moe = MoE(16, 8, 6, 2, normalize_topk=normalize)
+    moe = MoE(16, 8, 6, 2, normalize_topk=normalize, **options)
     moe.load_state_dict(hf.state_dict())  # same names, same layout: strict loading, no conversion
     x = torch.randn(3, 5, 16)
     assert torch.equal(moe(x), hf(x))

@@ -1,4 +1,4 @@
-"""Every supported HF family x the three plan shapes on 4 ranks, against the single-device HF model:
+"""Every supported HF family x the plan shapes (and ep for the MoE families) on 4 ranks, against HF:
 loss, every gathered gradient, clipped norm and parameters after two AdamW steps. Where a plan cannot
 apply the family's math (ring CP with soft-capping or a window shorter than the sequence), every rank
 must refuse with the reason and the fix before any collective.
@@ -16,7 +16,7 @@ import torch
 from tests_support import assert_matches_reference
 
 import meshkit
-from meshkit.testing.families import FAMILY_FIELDS, family_spec, ring_refusal
+from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, family_spec, ring_refusal
 from meshkit.testing.reference import BatchSpec, compare_training
 
 PLANS = {
@@ -25,13 +25,15 @@ PLANS = {
     "zigzag": "cp=2,dp_shard=2,cp_attention=zigzag",
     "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
     "pp": "pp=2,dp_shard=2,pp_microbatches=2",
+    "ep": "dp_shard=4,ep=4",  # MoE families only: one expert per rank
 }
 # Each quirk under the shape most likely to break it, and one refusal: soft-capping, windows and
 # post-norms under TP; windows and rope per layer type under Ulysses; packed projections and the
-# whole-projection q/k norm under TP; multipliers across pipeline stages; NoPE layers under ring CP.
+# whole-projection q/k norm under TP; multipliers across pipeline stages; NoPE layers under ring CP;
+# Qwen2-MoE's gated shared expert with experts over ep; OLMoE's in-place q/k/v clamps under TP.
 CI_CASES = {
     ("gemma2", "tp"), ("gemma2", "zigzag"), ("gemma3_text", "ulysses"), ("phi3", "tp"), ("olmo2", "tp"),
-    ("granite", "pp"), ("smollm3", "ring"),
+    ("granite", "pp"), ("smollm3", "ring"), ("qwen2_moe", "ep"), ("olmoe", "tp"),
 }
 FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 BATCH = BatchSpec(batch=4, seq=8, documents=1)
@@ -51,7 +53,8 @@ def _train_one_step(plan: str, kind: str, batch: BatchSpec):
     pm.forward_backward(ids[:2], labels[:2])
 
 
-CASES = [(kind, shape) for kind in FAMILY_FIELDS for shape in PLANS if FULL or (kind, shape) in CI_CASES]
+CASES = [(kind, shape) for kind in FAMILY_FIELDS for shape in PLANS
+         if (shape != "ep" or kind in MOE_KINDS) and (FULL or (kind, shape) in CI_CASES)]
 
 
 @pytest.mark.parametrize("kind, shape", CASES)

@@ -30,11 +30,14 @@ def _load_and_export(spec: ModelSpec, plan: str, source: str, target: str):
     return loss.item()
 
 
-FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"  # CI runs Gemma-2 (the family with quirks) only
-CASES = [("llama", "tp=2,dp_shard=2"), ("qwen2", "pp=2,dp_shard=2,pp_microbatches=2"), ("gemma2", "tp=2,dp_shard=2")]
+FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
+CASES = [("llama", "tp=2,dp_shard=2"), ("qwen2", "pp=2,dp_shard=2,pp_microbatches=2"), ("gemma2", "tp=2,dp_shard=2"),
+         ("qwen2_moe", "dp_shard=4,ep=4"), ("olmoe", "tp=2,dp_shard=2")]
+# CI: Gemma-2 (the dense family with quirks) and Qwen2-MoE (shared expert and its gate, experts over ep).
+CI_KINDS = ("gemma2", "qwen2_moe")
 
 
-@pytest.mark.parametrize("kind, plan", [c for c in CASES if FULL or c[0] == "gemma2"])
+@pytest.mark.parametrize("kind, plan", [c for c in CASES if FULL or c[0] in CI_KINDS])
 def test_save_pretrained_load_export_round_trip(dist, tmp_path, kind, plan):
     spec = family_spec(kind, tied=kind == "gemma2")
     original = spec.build().eval()

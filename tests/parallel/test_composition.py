@@ -7,7 +7,7 @@ import dataclasses
 
 from hypothesis import given
 from hypothesis import strategies as st
-from tests_support import assert_matches_reference
+from tests_support import assert_matches_reference, examples
 
 import meshkit
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
@@ -51,6 +51,7 @@ def full_plans(draw):
     return plan, model, batch
 
 
+@examples(ci=3)
 @given(full_plans())
 def test_random_full_plans_on_eight_ranks(dist, case):
     plan, model, batch = case

@@ -18,6 +18,17 @@ def _parallelize(plan: str, model: ModelSpec) -> None:
     meshkit.parallelize(model.build(), meshkit.Plan.from_string(plan))
 
 
+def _every_rank(pool, fn, *args):
+    """Each rank's outcome of `fn`, giving every rank the whole ALL_RANKS_QUICKLY to raise on its own:
+    on 2 loaded cores one rank can still be building its model seconds after another raised, and the
+    pool's short grace after a first failure would call it hung."""
+    grace, pool.grace = pool.grace, ALL_RANKS_QUICKLY
+    try:
+        return pool.run_raw(fn, *args, timeout=ALL_RANKS_QUICKLY)
+    finally:
+        pool.grace = grace
+
+
 def _assert_every_rank_raised(outcomes, *patterns: str) -> None:
     for o in outcomes:
         assert not o.ok, f"rank {o.rank} did not raise"
@@ -27,12 +38,12 @@ def _assert_every_rank_raised(outcomes, *patterns: str) -> None:
 
 
 def test_world_size_that_does_not_match_the_plan(dist):
-    outcomes = dist(4).run_raw(_parallelize, "tp=2", ModelSpec(), timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(4), _parallelize, "tp=2", ModelSpec())
     _assert_every_rank_raised(outcomes, "world_size=4", "needs", "= 2 processes", "--nproc-per-node 2")
 
 
 def test_tp_that_neither_divides_nor_is_divided_by_the_kv_heads(dist):
-    outcomes = dist(2).run_raw(_parallelize, "tp=2", ModelSpec(heads=6, kv_heads=3), timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(2), _parallelize, "tp=2", ModelSpec(heads=6, kv_heads=3))
     _assert_every_rank_raised(outcomes, "num_key_value_heads=3", "largest tp that works is 1", "use a tp in [1, 3, 6]")
 
 
@@ -44,7 +55,7 @@ def _parallelize_gpt2() -> None:
 
 
 def test_a_non_llama_model(dist):
-    outcomes = dist(2).run_raw(_parallelize_gpt2, timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(2), _parallelize_gpt2)
     _assert_every_rank_raised(outcomes, "GPT2LMHeadModel", "not a supported Llama-family causal LM")
 
 
@@ -65,23 +76,23 @@ def _step_with(plan: str, bad_rank: int | None, seq: int, what: str) -> None:
 
 
 def test_a_sequence_length_sequence_parallelism_cannot_split(dist):
-    outcomes = dist(2).run_raw(_step_with, "tp=2", None, 7, "none", timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(2), _step_with, "tp=2", None, 7, "none")
     _assert_every_rank_raised(outcomes, "sequence length 7: sequence parallelism over tp=2 needs a multiple of 2",
                               "pad or cut sequences to 8 tokens")
 
 
 def test_one_rank_with_an_out_of_range_token_fails_every_rank(dist):
-    outcomes = dist(4).run_raw(_step_with, "dp_shard=4", 2, 8, "token", timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(4), _step_with, "dp_shard=4", 2, 8, "token")
     _assert_every_rank_raised(outcomes, "1 of 4 ranks rejected", "rank 2:", "outside the vocabulary [0, 32)")
 
 
 def test_one_rank_with_a_bad_label_fails_every_rank(dist):
-    outcomes = dist(4).run_raw(_step_with, "tp=2,dp_shard=2", 3, 8, "label", timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(4), _step_with, "tp=2,dp_shard=2", 3, 8, "label")
     _assert_every_rank_raised(outcomes, "rank 3:", "labels hold ids", "-100 (ignored)")
 
 
 def test_tensor_parallel_peers_with_different_batches(dist):
-    outcomes = dist(2).run_raw(_step_with, "tp=2", 1, 8, "batch", timeout=ALL_RANKS_QUICKLY)
+    outcomes = _every_rank(dist(2), _step_with, "tp=2", 1, 8, "batch")
     _assert_every_rank_raised(outcomes, "peers received different batches")
 
 

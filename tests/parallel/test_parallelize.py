@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tests_support import assert_matches_reference
+from tests_support import assert_matches_reference, examples
 
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
 
@@ -54,6 +54,7 @@ def plans_and_models(draw):
     return world, plan, model, batch
 
 
+@examples(ci=4)
 @given(plans_and_models())
 def test_random_plans_match_single_device(dist, case):
     world, plan, model, batch = case

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tests_support import assert_matches_reference
+from tests_support import assert_matches_reference, examples
 
 import meshkit
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
@@ -51,6 +51,7 @@ def composed(draw):
     return world, _plan(pp, schedule, v, m, other), model, batch
 
 
+@examples(ci=3)
 @given(composed())
 def test_pipeline_composed_with_other_axes(dist, case):
     world, plan, model, batch = case

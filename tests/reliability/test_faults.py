@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -138,6 +139,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+@pytest.mark.slow  # two torchrun launches of the recipe: minutes on 2 cores
 def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(TOML)
