@@ -36,7 +36,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from benchmarks.report import emit, machine_line, paired, table  # noqa: E402
 from meshkit.data import PackedLoader, TokenStore  # noqa: E402
-from meshkit.data.prepare import prepare  # noqa: E402
+from meshkit.data.prepare import prepare, tokenizing_processes  # noqa: E402
 from meshkit.data.store import TOKENS, finish_store, token_dtype  # noqa: E402
 from meshkit.data.tokenizer import train_bpe  # noqa: E402
 
@@ -83,7 +83,8 @@ def prepare_table(files: list[Path], work: Path, reps: int) -> list[str]:
     mb = sum(f.stat().st_size for f in files) / 1e6
     rows = [["tokenizers encode_batch (peer: read files + encode)", 1, f"{n / min(peer_s):,.0f}", "1.00"],
             ["meshkit prepare", 1, f"{n / min(mk1_s):,.0f}", f"{paired(peer_s, mk1_s):.2f}"],
-            ["meshkit prepare", 2, f"{n / min(mk2_s):,.0f}", f"{paired(peer_s, mk2_s):.2f}"]]
+            ["meshkit prepare --workers 2", tokenizing_processes(2, int(mb * 1e6)), f"{n / min(mk2_s):,.0f}",
+             f"{paired(peer_s, mk2_s):.2f}"]]
     return [f"## Prepare: {len(files)} files, {mb:.1f} MB of stdlib source, {n:,} tokens (BPE 4096)", "",
             f"Best of {reps} paired repetitions; ratio = median over repetitions of peer time / meshkit time "
             f"(>= 1: meshkit faster). Same tokens both ways: {'yes' if same else 'NO'}.", "",

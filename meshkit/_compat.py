@@ -6,6 +6,8 @@ these, only this file changes.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -266,6 +268,41 @@ def collective_timeout_s() -> float | None:
         return backend.options._timeout.total_seconds()
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def _group_timeout(group) -> timedelta | None:
+    """A process group's collective timeout as its first backend holds it, or None."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def align_group_timeouts() -> None:
+    """Give every process group made without a timeout the default group's (`[train] timeout_s`).
+
+    torch gives a group made by `new_group(timeout=None)`, as `init_device_mesh` and
+    `DeviceMesh._flatten` make the mesh's axes, its backend's stock timeout (30 min for gloo, 10 for
+    NCCL), not the default group's: a collective hung on a mesh axis (FSDP, TP, the gradient norm)
+    ignored `init_process_group(timeout=...)`. Groups whose timeout someone set (not the stock one)
+    are left alone. `_set_pg_timeout` and the world's group map are private (2.11-2.13).
+    """
+    if not dist.is_initialized():
+        return
+    default = distributed_c10d._get_default_group()
+    target = _group_timeout(default)
+    stock = {getattr(distributed_c10d, name, None) for name in ("default_pg_timeout", "default_pg_nccl_timeout")}
+    if target is None or target in stock:
+        return
+    for group in list(distributed_c10d._world.pg_map):
+        if group is default or _group_timeout(group) not in stock:
+            continue
+        try:
+            distributed_c10d._set_pg_timeout(target, group)
+        except (AssertionError, RuntimeError, ValueError):  # a group without a backend on this rank
+            continue
 
 
 def fsdp_unsharded_tensors(root) -> tuple[list, list]:

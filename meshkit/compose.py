@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
+from meshkit._compat import align_group_timeouts
 from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.expert_parallel import MoE, apply_expert_parallel
@@ -73,6 +74,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
         data_parallel.skip_embedding_regather(stages.values())
     tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
     refuse_hf_forward(model)
+    align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
                                                     tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshkit._compat import concatenate_meshes, flatten_mesh, split_axis, submesh
+from meshkit._compat import align_group_timeouts, concatenate_meshes, flatten_mesh, split_axis, submesh
 from meshkit.plan import Plan, PlanError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -103,6 +103,7 @@ def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
     for name, axes in DERIVED.items():
         flatten_mesh(mesh[axes], name)
+    align_group_timeouts()  # the axes' groups get the default group's collective timeout, not torch's 30 min
     return mesh
 
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -177,10 +178,17 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
         tok = tokenizers_lib.train_bpe(texts, vocab_size, tmp / store.TOKENIZER)
     else:
         tok.save_pretrained(str(tmp / store.TOKENIZER))
-    if workers > 1:  # one process per worker; Rust threads inside each would oversubscribe the cores
+    text_bytes = sum(f.stat().st_size for inputs in (found, val_found) if inputs for f in inputs.files())
+    processes = tokenizing_processes(workers, text_bytes)
+    if processes < workers and progress:
+        print(f"prepare: {text_bytes / 2**20:.1f} MB of input: tokenizing in {processes} process"
+              f"{'es' if processes > 1 else ''}, not {workers} (starting one costs more than its share of "
+              f"under {BYTES_PER_PROCESS / 2**20:.0f} MB saves; the tokenizer's own threads still run)",
+              file=sys.stderr, flush=True)
+    if processes > 1:  # one process per worker; Rust threads inside each would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     eos_id = int(tok.eos_token_id)
-    encoded = docs.map(_encode_batch, batched=True, batch_size=256, num_proc=workers if workers > 1 else None,
+    encoded = docs.map(_encode_batch, batched=True, batch_size=256, num_proc=processes if processes > 1 else None,
                        remove_columns=["text"], fn_kwargs={"tok": tok, "source": source, "eos_id": eos_id},
                        cache_file_name=str(work / "tokenized.arrow"), desc="tokenize")
 
@@ -209,6 +217,24 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
         tmp, lengths, _split_ids(len(lengths), n_train_inputs, val_fraction, seed), dtype=dtype, eos_id=eos_id,
         vocab_size=vocab, tokenizer_sha256=tokenizers_lib.tokenizer_hash(tok), has_mask=has_mask,
         source=source.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+# Input per tokenizing process below which one more process costs more than it saves. Provisional:
+# derived from the 0.8 MB measurement in benchmarks/results/data.md (two processes at 0.32x of one on
+# a loaded 2-core machine), not yet measured at scale (`python -m benchmarks.data` on a larger corpus).
+BYTES_PER_PROCESS = 8 * 2**20
+
+
+def tokenizing_processes(workers: int, text_bytes: int) -> int:
+    """How many of `workers` processes to tokenize `text_bytes` of input with.
+
+    Each process `datasets.map` starts re-imports the libraries and unpickles the tokenizer, seconds
+    on a loaded machine, while one process tokenizes about a megabyte a second: on the 0.8 MB stdlib
+    sample two processes ran at 0.32x of one. So each process gets at least BYTES_PER_PROCESS of
+    input; below that the work stays in this process, where `encode_batch` uses the tokenizer's own
+    Rust threads.
+    """
+    return max(1, min(workers, text_bytes // BYTES_PER_PROCESS))
 
 
 def _split_ids(n_docs: int, n_train_inputs: int, val_fraction: float, seed: int) -> np.ndarray:

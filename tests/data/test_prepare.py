@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from meshkit.data import TokenStore
+from meshkit.data import prepare as prepare_module
 from meshkit.data import store as store_module
 from meshkit.data.__main__ import main as cli
 from meshkit.data.prepare import prepare
@@ -101,7 +102,17 @@ def test_val_fraction_is_deterministic_and_by_document(corpus, tmp_path):
     assert c.split_ids.tolist() == [0, 0, 1, 1, 1]
 
 
-def test_workers_parquet_and_saved_datasets_read_the_same_documents(tmp_path):
+def test_small_inputs_tokenize_in_fewer_processes():
+    """Start-up dominates small inputs: a process per BYTES_PER_PROCESS of input, at most `workers`."""
+    per = prepare_module.BYTES_PER_PROCESS
+    assert prepare_module.tokenizing_processes(8, 800_000) == 1  # the stdlib sample of benchmarks/data.py
+    assert prepare_module.tokenizing_processes(8, 3 * per) == 3
+    assert prepare_module.tokenizing_processes(2, 100 * per) == 2
+    assert prepare_module.tokenizing_processes(1, 100 * per) == 1
+
+
+def test_workers_parquet_and_saved_datasets_read_the_same_documents(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "BYTES_PER_PROCESS", 1)  # two processes even for this tiny input
     texts = [f"row {i}: " + "lorem ipsum " * (i % 5) for i in range(40)]
     datasets.Dataset.from_dict({"body": texts}).to_parquet(str(tmp_path / "t.parquet"))
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(tmp_path / "saved"))

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshkit
-from meshkit import heartbeat
+from meshkit import _compat, heartbeat
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "recipes") not in sys.path:
@@ -40,16 +39,17 @@ train_config = importlib.import_module("train_config")
 
 
 def _stop_a_peer(namespace: str, timeout_s: float) -> list[str]:
-    """Rank 0 SIGSTOPs rank 1 and waits for its heartbeat to name it, then SIGCONTs it."""
-    rank = dist.get_rank()
-    pids: list[int | None] = [None, None]
+    """Rank 0 SIGSTOPs rank 1, waits until every other rank's heartbeat has named it (each says so in
+    the store), then SIGCONTs it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     heard: list[str] = []
-    named = threading.Event()
+    said = dist.PrefixStore(f"heard/{namespace}/", _compat.default_store())
 
     def on_silent(silent: list[heartbeat.Silent]) -> None:
         heard.extend(s.message(rank) for s in silent)
-        named.set()
+        said.set(str(rank), "named")
 
     beat = heartbeat.start_for_process_group(timeout_s, on_silent, namespace=namespace, interval_s=0.05)
     beat.progress(7)
@@ -58,8 +58,10 @@ def _stop_a_peer(namespace: str, timeout_s: float) -> list[str]:
         time.sleep(0.3)  # rank 1 is beating
         assert not heard, heard
         os.kill(pids[1], signal.SIGSTOP)
-        try:
-            named.wait(30)
+        try:  # polled: a blocking store.wait would hold the store client the heartbeat threads share
+            keys, deadline = [str(r) for r in range(world) if r != 1], time.monotonic() + 60
+            while not said.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
         finally:
             os.kill(pids[1], signal.SIGCONT)
     dist.barrier()  # rank 1 sits here, stopped, until rank 0 continues it
@@ -67,11 +69,14 @@ def _stop_a_peer(namespace: str, timeout_s: float) -> list[str]:
     return heard
 
 
-def test_a_stopped_rank_is_named_by_its_peer(dist):
-    heard = dist(2).run(_stop_a_peer, uuid.uuid4().hex, 1.0)
-    assert len(heard[0]) == 1 and heard[0][0].startswith("meshkit: heartbeat: rank 1 has not been heard from for")
-    assert "its last beat was at step 7" in heard[0][0]
-    assert heard[1] == []  # the stopped rank, continued, does not blame the peer that stopped it
+def test_a_stopped_rank_is_named_by_every_peer(dist):
+    """4 ranks: each of the three that keep running names the stopped one, with its last step."""
+    heard = dist(4).run(_stop_a_peer, uuid.uuid4().hex, 1.0)
+    for rank in (0, 2, 3):
+        assert len(heard[rank]) == 1, (rank, heard[rank])
+        assert heard[rank][0].startswith("meshkit: heartbeat: rank 1 has not been heard from for"), heard[rank]
+        assert "its last beat was at step 7" in heard[rank][0]
+    assert heard[1] == []  # the stopped rank, continued, does not blame the peers that kept beating
 
 
 # ------------------------------------------------------------------------------ torchrun restarts
