@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from meshkit._compat import functional_reduce_scatter
+from meshkit._compat import all_gather_single, functional_reduce_scatter
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp"})
 
@@ -56,7 +56,7 @@ def _sequence_to_ranks(x: torch.Tensor, size: int) -> torch.Tensor:
 def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_single(out, x, group)
     return _ranks_to_sequence(out, size)
 
 
