@@ -2,6 +2,7 @@
 with and without prefetch, and peak memory over a memory-mapped store against reading it into memory.
 
     python -m benchmarks.data [--quick] [--out benchmarks/results/data.md]
+    python -m benchmarks.data --scaling [--scaling-mb 1,4,16] [--out benchmarks/results/data_scaling.md]
 
 1. Prepare: part of the Python standard library's source (real text every machine has), tokenized by
    the same byte-level BPE both ways: the peer reads the files and calls `tokenizers`' `encode_batch`
@@ -11,7 +12,10 @@ with and without prefetch, and peak memory over a memory-mapped store against re
 2. Loader stall: a consumer that computes for `--step-ms` per step (torch matmuls, like a CPU training
    step) reads batches of the demo's shape and a long-sequence shape; the time `next()` waits per step
    with the prefetch thread, against building the batch synchronously (prefetch=0).
-3. Memory: a generated store of `--store-mb` (1 GB by default) read by a fresh process through the
+3. Scaling (`--scaling`, only this section): growing prefixes of the whole standard library's source
+   (1, 4, 16 MB by default), `prepare` forced to 1 and 2 tokenizing processes (the per-process cap
+   lifted), beside the peer: where a second process starts to pay, which sets `BYTES_PER_PROCESS`.
+4. Memory: a generated store of `--store-mb` (1 GB by default) read by a fresh process through the
    loader for many random rows, against a fresh process that reads the token file into memory
    (`np.fromfile`): the growth of peak RSS over the process's baseline.
 """
@@ -36,6 +40,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from benchmarks.report import emit, machine_line, paired, table  # noqa: E402
 from meshkit.data import PackedLoader, TokenStore  # noqa: E402
+from meshkit.data import prepare as prepare_module  # noqa: E402
 from meshkit.data.prepare import prepare, tokenizing_processes  # noqa: E402
 from meshkit.data.store import TOKENS, finish_store, token_dtype  # noqa: E402
 from meshkit.data.tokenizer import train_bpe  # noqa: E402
@@ -89,6 +94,53 @@ def prepare_table(files: list[Path], work: Path, reps: int) -> list[str]:
             f"Best of {reps} paired repetitions; ratio = median over repetitions of peer time / meshkit time "
             f"(>= 1: meshkit faster). Same tokens both ways: {'yes' if same else 'NO'}.", "",
             *table(["method", "processes", "tokens/s", "ratio vs peer"], rows)]
+
+
+def _stdlib_prefix(megabytes: float) -> list[Path]:
+    """The standard library's .py files in path order until `megabytes` of source: every machine has them."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for f in sorted(root.rglob("*.py")):
+        if "__pycache__" in f.parts or "site-packages" in f.parts or not f.stat().st_size:
+            continue
+        try:
+            f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a few test files are deliberately not UTF-8
+            continue
+        files.append(f)
+        total += f.stat().st_size
+        if total >= megabytes * 1e6:
+            return files
+    raise ValueError(f"the standard library holds only {total / 1e6:.1f} MB of source; fix: a smaller --scaling-mb")
+
+
+def scaling_table(sizes_mb: list[float], work: Path, reps: int) -> list[str]:
+    """prepare with 1 and 2 processes (cap lifted) on growing corpora, each repetition interleaved with the peer."""
+    tok_dir = work / "tok"
+    train_bpe((f.read_text(encoding="utf-8") for f in _stdlib_prefix(1.0)), 4096, tok_dir)
+    cap = prepare_module.BYTES_PER_PROCESS
+    prepare_module.BYTES_PER_PROCESS = 1  # measure the processes asked for, not what the cap would allow
+    rows = []
+    try:
+        for size in sizes_mb:
+            files = _stdlib_prefix(size)
+            peer_s, mk1_s, mk2_s = [], [], []
+            for _ in range(reps):
+                peer_s.append(_peer(files, tok_dir / "tokenizer.json")[0])
+                mk1_s.append(_meshkit(files, tok_dir, work / "s1", 1))
+                mk2_s.append(_meshkit(files, tok_dir, work / "s2", 2))
+            n = TokenStore(work / "s1").num_tokens
+            mb = sum(f.stat().st_size for f in files) / 1e6
+            rows.append([f"{mb:.1f}", len(files), f"{n:,}", f"{n / min(peer_s):,.0f}", f"{n / min(mk1_s):,.0f}",
+                         f"{n / min(mk2_s):,.0f}", f"{paired(peer_s, mk1_s):.2f}", f"{paired(peer_s, mk2_s):.2f}",
+                         f"{paired(mk1_s, mk2_s):.2f}"])
+    finally:
+        prepare_module.BYTES_PER_PROCESS = cap
+    return [f"## Prepare scaling with processes (stdlib source prefixes, BPE 4096, best of {reps})", "",
+            "tokens/s of the peer (tokenizers encode_batch, one process) and of `prepare` forced to 1 and 2",
+            "processes; ratios are medians of paired repetitions (>= 1: the second is faster).", "",
+            *table(["MB", "files", "tokens", "peer tok/s", "prepare 1 proc tok/s", "prepare 2 proc tok/s",
+                    "1 proc / peer", "2 proc / peer", "2 proc / 1 proc"], rows)]
 
 
 def _compute(ms: float, a: torch.Tensor) -> None:
@@ -185,12 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     parser.add_argument("--store-mb", type=int, default=None, help="generated store size (default 1024; quick 256)")
     parser.add_argument("--step-ms", type=float, default=50.0, help="compute per simulated training step")
+    parser.add_argument("--scaling", action="store_true", help="only the prepare-scaling section")
+    parser.add_argument("--scaling-mb", default="1,4,16", help="corpus sizes for --scaling, MB, comma-separated")
     parser.add_argument("--rss-child", nargs=3, metavar=("STORE", "MODE", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
         rss_child(args.rss_child[0], args.rss_child[1], int(args.rss_child[2]))
         return 0
     torch.set_num_threads(1)
+    if args.scaling:
+        with tempfile.TemporaryDirectory(prefix="meshkit-bench-data-") as tmp:
+            sizes = [float(x) for x in args.scaling_mb.split(",")]
+            emit(["# meshkit.data prepare scaling", "", machine_line(), "",
+                  *scaling_table(sizes, Path(tmp), 1 if args.quick else 2)], args.out)
+        return 0
     store_mb = args.store_mb or (256 if args.quick else 1024)
     with tempfile.TemporaryDirectory(prefix="meshkit-bench-data-") as tmp:
         work = Path(tmp)
