@@ -261,7 +261,9 @@ def init_rule(name: str, config) -> tuple[str, float]:
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if owner.endswith("norm") or "layernorm" in owner:
         return "ones", 0.0
-    if leaf == "bias":
+    if leaf == "bias" and owner == "router":  # gpt-oss draws its router bias like a weight
+        return "normal", std
+    if leaf == "bias" or leaf.endswith("_bias"):  # linear biases, gpt-oss's expert biases
         return "zeros", 0.0
     return "normal", std
 
