@@ -92,6 +92,8 @@ class _BlockFormat:
     # experts' layout and biases are read from the experts class itself.
     router: str = "gate"
     clamped_swiglu: tuple[str, str] | None = None
+    # gpt-oss's block returns (hidden states, router scores), which its decoder layer unpacks.
+    returns_pair: bool = False
 
 
 _HF_BLOCKS: dict[str, _BlockFormat] = {
@@ -103,7 +105,7 @@ _HF_BLOCKS: dict[str, _BlockFormat] = {
                                   scale_field="routed_scaling_factor", group_fields=("n_group", "topk_group"),
                                   bias_in_gate=True),
     "GptOssMLP": _BlockFormat("num_local_experts", None, router="router",
-                              clamped_swiglu=("swiglu_alpha", "swiglu_limit")),
+                              clamped_swiglu=("swiglu_alpha", "swiglu_limit"), returns_pair=True),
 }
 # Options a caller may set on converted layers; anything else would change what the layer computes
 # in ways HF's weights know nothing about (shared experts, sigmoid scores).
@@ -287,7 +289,18 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     init_moe_buffers(moe, router_weight.device)
     moe.keep_router_stats = bool(getattr(config, "output_router_logits", False))
     moe.register_forward_hook(_feed_hf_router_logits)
+    if fmt.returns_pair:
+        moe.register_forward_hook(_as_hf_pair)
     return moe
+
+
+def _as_hf_pair(moe: MoE, args: tuple, output: Tensor) -> tuple[Tensor, None]:
+    """The block's output as the HF decoder layer unpacks it: `hidden, _ = self.mlp(hidden)`.
+
+    A bare [B, S, H] tensor would unpack along the batch without an error (two rows for B = 2);
+    the second item (HF's router scores) is discarded by the layer, so None stands in for it.
+    """
+    return output, None
 
 
 @functools.cache

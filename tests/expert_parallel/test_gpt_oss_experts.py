@@ -82,7 +82,8 @@ def test_converted_mlp_equals_hf(backend):
     x, w = _inputs()
     want_y, want_dx, want_grads = _hf_reference(ref, x, w)
     x = x.clone().requires_grad_()
-    y = moe(x)
+    y, scores = moe(x)  # HF's decoder layer unpacks (hidden, router scores) from its mlp
+    assert scores is None
     (y * w).sum().backward()
     _close(y, want_y, "output")
     _close(x.grad, want_dx, "input gradient")
@@ -108,7 +109,7 @@ def _ep_worker(backend: str) -> dict[str, float]:
     want_y, want_dx, want_grads = _hf_reference(ref, x, w)
     mine = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
     x_mine = x.reshape(-1, HIDDEN)[mine].clone().requires_grad_()
-    y = moe(x_mine)
+    y, _ = moe(x_mine)
     (y * w.reshape(-1, HIDDEN)[mine]).sum().backward()
     out = {"y": (y - want_y.reshape(-1, HIDDEN)[mine]).abs().max().item(),
            "dx": (x_mine.grad - want_dx.reshape(-1, HIDDEN)[mine]).abs().max().item(), "grad": 0.0}
