@@ -12,7 +12,9 @@ by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
 
 HF's own per-layer keywords are honoured too: `sliding_window`, `softcap` (attention-logit
 soft-capping) and `s_aux` (attention sinks) route the layer through `masked.quirk_attention`, on one
-rank or under Ulysses; the ring kinds refuse them (`Plan.validate` already did, naming the fix).
+rank or under Ulysses. The ring and zig-zag kinds apply sinks in their merge (`ring.py`) and refuse
+windows shorter than the sequence and soft-capping; the all-gather and USP kinds refuse all three
+(`Plan.validate` and `parallelize` already did, naming the fix).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from meshkit.context_parallel.allgather import allgather_attention
 from meshkit.context_parallel.group import as_group
@@ -93,9 +96,15 @@ class ContextParallelAttention:
         sinks_H = quirks.get("sinks_H")
         if sinks_H is not None and sinks_H.shape[0] != q_BHSD.shape[1]:
             raise ValueError(f"attention sinks for {sinks_H.shape[0]} heads but {q_BHSD.shape[1]} local query heads: "
-                             "meshkit does not split sinks over tp; fix: tp=1 for this model")
+                             "the sinks must be split over tp with the query heads (tensor_parallel_local."
+                             "apply_head_params does it for the attention module's per-head parameters)")
         if self.kind is None:
             return quirk_attention(q_BHSD, k_BHSD, v_BHSD, scale=scale, doc_ids_BS=doc_ids_BS, **quirks)
+        if self.kind in ("ring", "zigzag") and not quirks.get("sliding_window") and not quirks.get("softcap"):
+            # sinks alone: one term in the merged denominator, which the ring adds after its last merge
+            return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
+                                  scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype,
+                                  keep_kv=self.keep_kv, sinks_H=sinks_H)
         if self.kind != "ulysses":
             raise ValueError(f"cp_attention={self.kind!r} merges blocks by log-sum-exp and does not apply "
                              f"{sorted(quirks)}; fix: cp_attention='ulysses'")
@@ -135,6 +144,8 @@ def meshkit_attention(module, query, key, value, attention_mask, dropout: float 
     split = kwargs.get(CONTEXT_PARALLEL_KWARG) or ContextParallelAttention()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if isinstance(sinks, DTensor):  # split with the query heads under tp: this rank's heads' sinks
+        sinks = sinks.to_local()
     if window and window >= split.full_length(key.shape[2]):
         window = None  # every key is inside the window: plain causal attention
     quirks = None

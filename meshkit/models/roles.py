@@ -32,7 +32,8 @@ _PLAN_ROLES = {
     "rowwise": "rowwise",
     "rowwise_split_input": "rowwise",
 }
-# Used when a config declares no plan (older configs): Llama's, which every family here extends.
+# Used when a config's plan declares nothing for the decoder blocks (older configs; gpt-oss's names
+# only the embedding): Llama's, which every family here extends.
 _DEFAULT_PLAN = {
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
     "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
@@ -78,10 +79,29 @@ def attention_params(config) -> int:
 
 
 def declared_block_plan(config) -> dict[str, str]:
-    """The config's tensor-parallel plan for one decoder block: {name in block: HF style}."""
-    plan = getattr(config, "base_model_tp_plan", None) or _DEFAULT_PLAN
+    """The config's tensor-parallel plan for one decoder block: {name in block: HF style}; Llama's
+    when the config declares nothing for the blocks."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
     prefix = "layers.*."
-    return {key[len(prefix):]: style for key, style in plan.items() if key.startswith(prefix)}
+    declared = {key[len(prefix):]: style for key, style in plan.items() if key.startswith(prefix)}
+    return declared or dict(_DEFAULT_PLAN)
+
+
+def head_params(block: nn.Module, config) -> list[str]:
+    """The attention module's own per-query-head parameters (gpt-oss's `sinks`: one logit per head
+    in every row's softmax denominator), by name in the block.
+
+    Read from the structure: a 1-D parameter of the attention module itself (not of its linears)
+    with one entry per query head. Newer plans declare such a parameter `colwise`
+    (`layers.*.self_attn.sinks`); gpt-oss's declares nothing. Under TP each belongs with the query
+    heads a rank computes, so it is split like them (Shard(0)), also when K/V heads are replicated.
+    """
+    heads, _, _ = attention_dims(config)
+    attn = getattr(block, "self_attn", None)
+    if attn is None:
+        return []
+    return [f"self_attn.{name}" for name, p in attn.named_parameters(recurse=False)
+            if p.ndim == 1 and p.shape[0] == heads]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -172,15 +192,37 @@ def replication_problem(roles: dict[str, str], config, tp: int) -> str | None:
             f"the largest tp that works is {max(ok)}; fix: tp in {ok}")
 
 
-def model_problems(blocks: list[nn.Module], config, tp: int) -> list[str]:
-    """What the module structure rules out for `tp`, before any collective (the config alone cannot
-    show whether a q/k norm spans the whole projection). One entry per distinct problem."""
+# The context-parallel kinds that merge attention blocks by log-sum-exp without a sink term (ring and
+# zig-zag add it after their last merge).
+SINKLESS_CP_KINDS = ("allgather", "usp")
+
+
+def sink_problem(blocks: list[nn.Module], config, cp_attention: str | None) -> str | None:
+    """Why `cp_attention` cannot run this model's attention sinks, or None.
+
+    A sink adds exp(sink) to a row's softmax denominator exactly once. Ring and zig-zag add it after
+    their last log-sum-exp merge and Ulysses gives each rank whole sequences for a slice of heads
+    (and their sinks); the all-gather and USP kinds merge without it, so they would compute
+    attention without sinks.
+    """
+    if cp_attention not in SINKLESS_CP_KINDS or not any(head_params(b, config) for b in blocks):
+        return None
+    return (f"cp_attention={cp_attention!r}: this model's attention has per-head sinks (a learned logit in every "
+            f"row's softmax denominator), which the log-sum-exp merge of cp_attention={cp_attention!r} does not "
+            f"apply; fix: cp_attention='ulysses', 'ring' or 'zigzag'")
+
+
+def model_problems(blocks: list[nn.Module], config, tp: int, cp_attention: str | None = None) -> list[str]:
+    """What the module structure rules out for `tp` and the plan's context-parallel kind
+    (`cp_attention`, None when cp = 1), before any collective: the config alone cannot show whether
+    a q/k norm spans the whole projection or the attention has sinks. One entry per distinct problem."""
     problems: list[str] = []
     for block in blocks:
         problem = replication_problem(block_roles(block, config), config, tp)
         if problem and problem not in problems:
             problems.append(problem)
-    return problems
+    sinks = sink_problem(blocks, config, cp_attention)
+    return problems + ([sinks] if sinks else [])
 
 
 def selected_rows(roles: dict[str, str], config, tp: int, rank: int) -> dict[str, list[tuple[int, int]]]:
