@@ -56,7 +56,7 @@ def family_spec(kind: str, **fields) -> ModelSpec:
     """The tiny `ModelSpec` of family `kind` (any ModelSpec field may be overridden)."""
     defaults = {**(MOE_FIELDS if kind in MOE_KINDS else {}),
                 **({"kv_heads": _KV_HEADS[kind]} if kind in _KV_HEADS else {})}
-    return ModelSpec(kind=kind, extra=FAMILY_FIELDS[kind], **{**defaults, **fields})
+    return ModelSpec(**{"kind": kind, "extra": FAMILY_FIELDS[kind], **defaults, **fields})
 
 
 def ring_refusal(kind: str, seq: int) -> str | None:
