@@ -47,4 +47,6 @@ SLOW_CASES: dict[str, str] = {
         "the same plan without SP, and test_random_full_plans_on_eight_ranks",
     "tests/state/test_hf_io.py::test_save_hf_checkpoint_round_trips_through_from_pretrained[llama-tied-tp2dp2]":
         "llama-tied-pp2tp2",
+    "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[tp4-mqa]":
+        "tp2-zigzag2 (sinks split over tp), test_families gpt_oss-tp, test_kv_replication tp=4 MQA",
 }
