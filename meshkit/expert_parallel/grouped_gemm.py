@@ -37,11 +37,12 @@ Backend = Literal["auto", "grouped_mm", "loop"]
 
 
 @functools.cache
-def _kernel_runs(device_type: str, device_index: int | None, dtype: torch.dtype) -> bool:
-    """Whether the kernel runs for this device and dtype, found by running it once.
+def _kernel_runs(device_type: str, device_index: int | None, dtype: torch.dtype, transposed: bool = False) -> bool:
+    """Whether the kernel runs for this device, dtype and weight layout, found by running it once.
 
     Support differs by build, device capability and dtype across the torch versions meshkit runs on,
-    and a probe is the one answer that cannot go stale.
+    and a probe is the one answer that cannot go stale. The right operand is column-major for the
+    row layout (`w.transpose(-2, -1)`) and row-major for a transposed one ([E, in, out] as stored).
     """
     op = grouped_mm_op()
     if op is None:
@@ -51,14 +52,15 @@ def _kernel_runs(device_type: str, device_index: int | None, dtype: torch.dtype)
         with torch.no_grad():
             a = torch.zeros(8, 8, device=device, dtype=dtype)
             b = torch.zeros(2, 8, 8, device=device, dtype=dtype)
-            op(a, b.transpose(-2, -1), offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
+            op(a, b if transposed else b.transpose(-2, -1), offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
     except (RuntimeError, NotImplementedError):
         return False
     return True
 
 
-def grouped_mm_usable(x_GH: Tensor, *weights: Tensor) -> bool:
-    """True when `torch._grouped_mm` can take these operands as they are.
+def grouped_mm_usable(x_GH: Tensor, *weights: Tensor, transposed: bool = False) -> bool:
+    """True when `torch._grouped_mm` can take these operands as they are (`transposed`: the weights
+    are stored [E, in, out]).
 
     It needs every row stride 16-byte aligned: H and I times the element size must be multiples of 16.
     """
@@ -68,7 +70,7 @@ def grouped_mm_usable(x_GH: Tensor, *weights: Tensor) -> bool:
     dims = [x_GH.shape[-1]] + [d for w in weights for d in w.shape[-2:]]
     if any(d * size % 16 for d in dims):
         return False
-    return _kernel_runs(x_GH.device.type, x_GH.device.index, x_GH.dtype)
+    return _kernel_runs(x_GH.device.type, x_GH.device.index, x_GH.dtype, transposed)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -138,7 +140,7 @@ def swiglu_experts(
     if backend not in ("auto", "grouped_mm", "loop"):
         raise ValueError(f"expert backend {backend!r}: use 'auto', 'grouped_mm' or 'loop'")
     x_GH = x_GH.to(gate_up_EOH.dtype)
-    use_kernel = backend != "loop" and grouped_mm_usable(x_GH, gate_up_EOH, down_EHI)
+    use_kernel = backend != "loop" and grouped_mm_usable(x_GH, gate_up_EOH, down_EHI, transposed=layout.transposed)
     if backend == "grouped_mm" and not use_kernel:
         raise ValueError(
             f"torch._grouped_mm does not run here ({x_GH.dtype} on {x_GH.device.type}, hidden "
