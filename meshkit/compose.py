@@ -100,7 +100,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     parts = llama.parts(model)
     problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
-    problems += roles.model_problems(parts.blocks, model.config, plan.tp, plan.cp_attention if plan.cp > 1 else None)
+    problems += roles.model_problems(parts.blocks, model.config, plan.tp)
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:

@@ -12,9 +12,9 @@ by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
 
 HF's own per-layer keywords are honoured too: `sliding_window`, `softcap` (attention-logit
 soft-capping) and `s_aux` (attention sinks) route the layer through `masked.quirk_attention`, on one
-rank or under Ulysses. The ring and zig-zag kinds apply sinks in their merge (`ring.py`) and refuse
-windows shorter than the sequence and soft-capping; the all-gather and USP kinds refuse all three
-(`Plan.validate` and `parallelize` already did, naming the fix).
+rank or under Ulysses. The kinds that merge blocks by log-sum-exp (ring, zig-zag, all-gather, USP)
+apply sinks after their merge (`ring.add_sinks_`) and refuse windows shorter than the sequence and
+soft-capping (`Plan.validate` already did, naming the fix).
 """
 
 from __future__ import annotations
@@ -57,22 +57,29 @@ class ContextParallelAttention:
 
     def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None,
                  quirks: dict | None = None) -> torch.Tensor:
+        sinks_H = None
+        if quirks and self.kind not in (None, "ulysses") and not quirks.get("sliding_window") \
+                and not quirks.get("softcap"):
+            # sinks alone: one term in the merged denominator, which the merging kinds add after
+            # their last block (ring.add_sinks_), on the fused kernels
+            sinks_H, quirks = quirks.get("sinks_H"), None
         if quirks:
             return self._with_quirks(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks)
         if self.kind in ("ring", "zigzag"):
             return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
                                   scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype,
-                                  keep_kv=self.keep_kv)
+                                  keep_kv=self.keep_kv, sinks_H=sinks_H)
         if self.kind == "allgather" and self.ulysses_group is None:
             return allgather_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
-                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)
+                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype, sinks_H=sinks_H)
         if self.kind == "ulysses":
             return ulysses_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
                                      doc_ids_BS=doc_ids_BS)
         if self.kind in ("usp", "allgather"):
             return usp_attention(q_BHSD, k_BHSD, v_BHSD, self.ulysses_group, self.ring_group, causal=True,
                                  layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS,
-                                 outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype)
+                                 outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype,
+                                 sinks_H=sinks_H)
         if k_BHSD.shape[2] != q_BHSD.shape[2]:
             return _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
         if doc_ids_BS is not None:
@@ -100,11 +107,6 @@ class ContextParallelAttention:
                              "apply_head_params does it for the attention module's per-head parameters)")
         if self.kind is None:
             return quirk_attention(q_BHSD, k_BHSD, v_BHSD, scale=scale, doc_ids_BS=doc_ids_BS, **quirks)
-        if self.kind in ("ring", "zigzag") and not quirks.get("sliding_window") and not quirks.get("softcap"):
-            # sinks alone: one term in the merged denominator, which the ring adds after its last merge
-            return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
-                                  scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype,
-                                  keep_kv=self.keep_kv, sinks_H=sinks_H)
         if self.kind != "ulysses":
             raise ValueError(f"cp_attention={self.kind!r} merges blocks by log-sum-exp and does not apply "
                              f"{sorted(quirks)}; fix: cp_attention='ulysses'")

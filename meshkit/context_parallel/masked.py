@@ -16,7 +16,7 @@ memory grows with S^2, unlike the fused kernels the plain causal path uses. Unde
 parallelism Ulysses runs it (each rank sees whole sequences for a slice of heads, and their sinks);
 the ring kinds merge blocks by log-sum-exp, so `llama.check_config` refuses them for windows shorter
 than the sequence and soft-capping, while sinks alone (one term in the merged denominator) run in
-ring and zig-zag (`ring.py`); `roles.sink_problem` refuses the all-gather and USP kinds for sinks.
+every merging kind on the fused kernels (`ring.add_sinks_`).
 """
 
 from __future__ import annotations

@@ -199,10 +199,7 @@ class _RingAttention(torch.autograd.Function):
                 merge_(_half(out_BHSD, blk.q_half, 2), _half(lse_BHS, blk.q_half, 2), o_i, lse_i)
             if pending is not None:
                 kv = ring.wait(pending)
-        if sinks_H is not None:  # the sink's exp joins each row's denominator once, after every block
-            with_sink_BHS = torch.logaddexp(lse_BHS, sinks_H.to(acc).view(1, -1, 1))
-            out_BHSD.mul_(torch.exp(lse_BHS - with_sink_BHS).unsqueeze(-1))
-            lse_BHS = with_sink_BHS
+        lse_BHS = add_sinks_(out_BHSD, lse_BHS, sinks_H)
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out, lse_BHS, *received)
         ctx.opts = (group, plan, scale, backend, docs, doc_BS, grad_dtype, keep_kv)
@@ -219,7 +216,7 @@ class _RingAttention(torch.autograd.Function):
         wire = grad_dtype or acc  # dK/dV travel in the reduce dtype; every rank adds in fp32
         dq_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         kv = torch.stack([k_BHSD, v_BHSD])
-        dsinks_H = _sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS)
+        dsinks_H = sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS)
         if keep_kv:
             dq, dkv = _backward_kept(ring, plan, [kv, *received], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD,
                                      scale, backend, docs, doc_BS, wire)
@@ -246,7 +243,25 @@ class _RingAttention(torch.autograd.Function):
         )
 
 
-def _sink_grad(sinks_H, dout_BHSD, out_BHSD, lse_BHS):
+def add_sinks_(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor | None) -> torch.Tensor:
+    """After the last merge: the sink's exp joins every row's denominator once; `out_BHSD` (fp32
+    accumulator) is rescaled in place and the row lse including the sink is returned. No-op (the
+    same lse) without sinks. Shared by every kind that merges blocks by log-sum-exp."""
+    if sinks_H is None:
+        return lse_BHS
+    with_sink_BHS = torch.logaddexp(lse_BHS, sinks_H.to(lse_BHS.dtype).view(1, -1, 1))
+    out_BHSD.mul_(torch.exp(lse_BHS - with_sink_BHS).unsqueeze(-1))
+    return with_sink_BHS
+
+
+def check_sinks(sinks_H: torch.Tensor | None, q_BHSD: torch.Tensor) -> None:
+    """One sink per local query head, or a ValueError naming the shapes."""
+    if sinks_H is not None and tuple(sinks_H.shape) != (q_BHSD.shape[1],):
+        raise ValueError(f"sinks_H has shape {tuple(sinks_H.shape)}; one logit per local query head: "
+                         f"({q_BHSD.shape[1]},)")
+
+
+def sink_grad(sinks_H, dout_BHSD, out_BHSD, lse_BHS):
     """d loss / d sink_h = -sum over rows of p_sink * rowsum(dO * out'), p_sink = exp(sink - lse'):
     the softmax gradient of the sink's column, whose value is zero. None without sinks."""
     if sinks_H is None or not sinks_H.requires_grad:
@@ -357,8 +372,6 @@ def ring_attention(
     scale = default_scale(q_BHSD.shape[-1]) if scale is None else float(scale)
     if doc_ids_BS is not None:
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
-    if sinks_H is not None and sinks_H.shape != (q_BHSD.shape[1],):
-        raise ValueError(f"sinks_H has shape {tuple(sinks_H.shape)}; one logit per local query head: "
-                         f"({q_BHSD.shape[1]},)")
+    check_sinks(sinks_H, q_BHSD)
     return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, layout, causal, scale, doc_ids_BS, backend,
                                 grad_dtype, bool(keep_kv), sinks_H)

@@ -176,8 +176,8 @@ def check_config(config, seq_len: int | None, cp_attention: str | None = None) -
 
     Ring attention merges per-block log-sum-exps with a plain causal mask; a window shorter than the
     sequence or soft-capped scores change every block's scores, so those models need Ulysses (whole
-    sequences per rank) or cp = 1. Sinks add one term to the merged denominator, which ring and
-    zig-zag apply (`roles.sink_problem` refuses the other kinds; the config does not show sinks).
+    sequences per rank) or cp = 1. Sinks add one term to the merged denominator, which every
+    merging kind applies after its last block (`ring.add_sinks_`).
     """
     if cp_attention not in RING_KINDS:
         return []

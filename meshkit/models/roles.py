@@ -192,37 +192,15 @@ def replication_problem(roles: dict[str, str], config, tp: int) -> str | None:
             f"the largest tp that works is {max(ok)}; fix: tp in {ok}")
 
 
-# The context-parallel kinds that merge attention blocks by log-sum-exp without a sink term (ring and
-# zig-zag add it after their last merge).
-SINKLESS_CP_KINDS = ("allgather", "usp")
-
-
-def sink_problem(blocks: list[nn.Module], config, cp_attention: str | None) -> str | None:
-    """Why `cp_attention` cannot run this model's attention sinks, or None.
-
-    A sink adds exp(sink) to a row's softmax denominator exactly once. Ring and zig-zag add it after
-    their last log-sum-exp merge and Ulysses gives each rank whole sequences for a slice of heads
-    (and their sinks); the all-gather and USP kinds merge without it, so they would compute
-    attention without sinks.
-    """
-    if cp_attention not in SINKLESS_CP_KINDS or not any(head_params(b, config) for b in blocks):
-        return None
-    return (f"cp_attention={cp_attention!r}: this model's attention has per-head sinks (a learned logit in every "
-            f"row's softmax denominator), which the log-sum-exp merge of cp_attention={cp_attention!r} does not "
-            f"apply; fix: cp_attention='ulysses', 'ring' or 'zigzag'")
-
-
-def model_problems(blocks: list[nn.Module], config, tp: int, cp_attention: str | None = None) -> list[str]:
-    """What the module structure rules out for `tp` and the plan's context-parallel kind
-    (`cp_attention`, None when cp = 1), before any collective: the config alone cannot show whether
-    a q/k norm spans the whole projection or the attention has sinks. One entry per distinct problem."""
+def model_problems(blocks: list[nn.Module], config, tp: int) -> list[str]:
+    """What the module structure rules out for `tp`, before any collective (the config alone cannot
+    show whether a q/k norm spans the whole projection). One entry per distinct problem."""
     problems: list[str] = []
     for block in blocks:
         problem = replication_problem(block_roles(block, config), config, tp)
         if problem and problem not in problems:
             problems.append(problem)
-    sinks = sink_problem(blocks, config, cp_attention)
-    return problems + ([sinks] if sinks else [])
+    return problems
 
 
 def selected_rows(roles: dict[str, str], config, tp: int, rank: int) -> dict[str, list[tuple[int, int]]]:

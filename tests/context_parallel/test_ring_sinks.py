@@ -1,4 +1,4 @@
-"""Attention sinks through ring and zig-zag ring attention, against the one-process explicit-score
+"""Attention sinks through ring, zig-zag ring and all-gather K/V attention, against the one-process explicit-score
 attention (`masked.quirk_attention`, fp64) on the whole sequence: the output, dq, dk, dv and the
 sinks' own gradient (each cp rank's share of the rows, summed over cp), with packed documents and
 GQA. The sinks are large enough (about e^2 against a row's sum) that a sink left out, or added
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as tdist
 
 from meshkit.context_parallel import sharding
+from meshkit.context_parallel.allgather import allgather_attention
 from meshkit.context_parallel.masked import quirk_attention
 from meshkit.context_parallel.ring import ring_attention
 
@@ -35,7 +36,7 @@ def _reference(seed: int):
     return out.detach(), q.grad, k.grad, v.grad, sinks.grad
 
 
-def _ring_worker(seed: int, layout: str, keep_kv: bool):
+def _ring_worker(seed: int, layout: str, keep_kv: bool, kind: str = "ring"):
     cp, rank = tdist.get_world_size(), tdist.get_rank()
     q, k, v, dout, sinks, docs = _inputs(seed)
 
@@ -44,18 +45,23 @@ def _ring_worker(seed: int, layout: str, keep_kv: bool):
 
     q, k, v = (shard(t).requires_grad_() for t in (q, k, v))
     sinks = sinks.float().requires_grad_()
-    out = ring_attention(q, k, v, layout=layout, scale=D ** -0.5, doc_ids_BS=shard(docs, 1).long(),
-                         keep_kv=keep_kv, sinks_H=sinks)
+    docs = shard(docs, 1).long()
+    if kind == "allgather":
+        out = allgather_attention(q, k, v, scale=D ** -0.5, doc_ids_BS=docs, sinks_H=sinks)
+    else:
+        out = ring_attention(q, k, v, layout=layout, scale=D ** -0.5, doc_ids_BS=docs, keep_kv=keep_kv,
+                             sinks_H=sinks)
     out.backward(shard(dout))
     dsinks = sinks.grad.clone()
     tdist.all_reduce(dsinks)  # each rank differentiated its own rows
     return out.detach(), q.grad, k.grad, v.grad, dsinks
 
 
-@pytest.mark.parametrize(("layout", "keep_kv", "cp"), [("contiguous", False, 4), ("zigzag", False, 2),
-                                                       ("zigzag", True, 4)])
-def test_ring_with_sinks_matches_explicit_attention(dist, layout, keep_kv, cp):
-    results = dist(cp).run(_ring_worker, 3, layout, keep_kv)
+@pytest.mark.parametrize(("kind", "layout", "keep_kv", "cp"), [
+    ("ring", "contiguous", False, 4), ("ring", "zigzag", False, 2), ("ring", "zigzag", True, 4),
+    ("allgather", "zigzag", False, 4)])
+def test_sinks_match_explicit_attention(dist, kind, layout, keep_kv, cp):
+    results = dist(cp).run(_ring_worker, 3, layout, keep_kv, kind)
     want = _reference(3)
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         got = sharding.unshard([r[i] for r in results], layout, dim=2).double()
