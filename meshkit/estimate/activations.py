@@ -38,7 +38,7 @@ from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models import llama
 from meshkit.models import quirks as quirks_lib
-from meshkit.models.moe import moe_spec
+from meshkit.models.moe import identity_stand_in, moe_spec
 from meshkit.step import loss as loss_lib
 
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",
@@ -101,7 +101,7 @@ def build_block(config_json: str, tp: int, vocab: int | None, dtype: str) -> tup
     spec = moe_spec(cfg)  # routing is data-dependent: estimate.moe measures the MoE layer itself
     for i, block in enumerate(llama.parts(model).blocks):
         if spec is not None and i in spec.layers:
-            block.mlp = nn.Identity()
+            block.mlp = identity_stand_in(block.mlp)
     mode = fake_tensor_mode()
     with mode:
         model.to_empty(device="cpu")

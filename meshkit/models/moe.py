@@ -336,6 +336,20 @@ def _as_hf_pair(moe: MoE, args: tuple, output: Tensor) -> tuple[Tensor, None]:
 
 
 @functools.cache
+class _PairIdentity(nn.Module):
+    """Identity shaped like a block that returns (hidden, router scores): its decoder layer unpacks two."""
+
+    def forward(self, hidden: Tensor) -> tuple[Tensor, None]:
+        return hidden, None
+
+
+def identity_stand_in(mlp: nn.Module) -> nn.Module:
+    """What replaces an HF MoE block when its routing is costed elsewhere (the estimator's trace):
+    an identity that returns what the decoder layer unpacks (a pair for gpt-oss)."""
+    fmt = _HF_BLOCKS.get(type(mlp).__name__)
+    return _PairIdentity() if fmt is not None and fmt.returns_pair else nn.Identity()
+
+
 def _hf_collector_var() -> Any:
     """transformers' private context variable holding the active output collector (what
     `output_router_logits=True` fills), or None where transformers has none.
