@@ -34,6 +34,7 @@ loss: a forward hook feeds HF's output collector the router logits its loss func
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -66,6 +67,7 @@ __all__ = [
     "moe_spec",
     "plan_problems",
     "to_hf_state_dict",
+    "uniform_config",
 ]
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
@@ -154,6 +156,36 @@ def moe_spec(config: Any) -> MoESpec | None:
         return MoESpec(opts["num_experts"], opts["top_k"], opts.get("intermediate_size") or config.intermediate_size,
                        tuple(range(n_layers)) if layers is None else tuple(layers))
     return None
+
+
+def uniform_config(config: Any, moe: bool) -> Any:
+    """A copy of `config` whose every decoder block is MoE (`moe=True`) or dense (`moe=False`).
+
+    Why: a published stack often mixes the two (DeepSeek-V3's `first_k_dense_replace`, Qwen2/3-MoE's
+    `mlp_only_layers` and `decoder_sparse_step`, a Llama-MoE's `layers`), and whoever models one block
+    (the estimator builds, traces and counts a one-block model) needs a config in which block 0 is of
+    the kind asked for, with every other field as published. Raises ValueError for a family whose
+    blocks are all of one kind when the other is asked for.
+    """
+    cfg = copy.deepcopy(config)
+    n = int(getattr(cfg, "num_hidden_layers", 0))
+    model_type = getattr(cfg, "model_type", None)
+    if model_type == "deepseek_v3":
+        cfg.first_k_dense_replace = 0 if moe else n
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
+        cfg.mlp_only_layers = [] if moe else list(range(n))
+        if moe:
+            cfg.decoder_sparse_step = 1
+    elif _is_llama_moe(cfg):
+        opts = dict(getattr(cfg, LLAMA_MOE_KEY))
+        opts.pop("layers", None)
+        setattr(cfg, LLAMA_MOE_KEY, opts if moe else {**opts, "layers": []})
+    else:
+        spec = moe_spec(cfg)
+        if (spec is not None and len(spec.layers) == n) != moe:
+            raise ValueError(f"{model_type}: every block is {'dense' if spec is None else 'MoE'}; there is no "
+                             f"{'MoE' if moe else 'dense'} block to model")
+    return cfg
 
 
 def is_moe_model(model: nn.Module) -> bool:

@@ -59,6 +59,19 @@ def score_value_dims(config) -> tuple[int, int, int]:
     return heads, head_dim, head_dim
 
 
+def kernel_dims(config) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head dim) of the q, k and v the attention kernels receive: what
+    context parallelism moves. `attention_dims`, except for multi-head latent attention (DeepSeek-V3),
+    where every head has its own K and V (up-projected from the latent) and q, k and v share one head
+    dim, max(qk_nope + qk_rope, v_head_dim): meshkit zero-pads the narrower side for the kernels and the
+    ring's packed K/V buffer (`context_parallel.hf`), and cuts the output back after attention."""
+    heads, kv_heads, head_dim = attention_dims(config)
+    if getattr(config, "kv_lora_rank", None):
+        _, d_qk, d_v = score_value_dims(config)
+        return heads, heads, max(d_qk, d_v)
+    return heads, kv_heads, head_dim
+
+
 def attention_params(config) -> int:
     """Parameters of one block's attention from the config alone: Llama's q/k/v/o (with biases when
     `attention_bias`), or multi-head latent attention's down projections, latent norms and up
