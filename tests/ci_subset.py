@@ -58,6 +58,8 @@ SLOW_CASES: dict[str, str] = {
     "tests/expert_parallel/test_gpt_oss_experts.py::test_hf_aux_loss_with_the_biased_router_under_ep":
         "test_moe_models mixtral aux ep=4 (HF's pooled loss under ep), the biased router in "
         "test_converted_mlp_equals_hf",
+    "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[pp2-tp2]":
+        "test_families gpt_oss-pp (pp x fsdp) and tp2-zigzag2 (sinks over tp)",
     "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[allgather4]":
         "usp2x2 (hf.py's merging-kind path) and test_ring_sinks[allgather-zigzag-False-4] (the all-gather op)",
     "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[tp4-mqa]":
