@@ -6,7 +6,7 @@ change their math (shorter windows are refused there: test_families).
 - tp=4 with one K/V head (MQA): every rank holds one query head, its sink, and a replicated K/V head;
 - tp=2 x zig-zag cp=2: each rank's sinks are its query heads', added once to the merged denominator;
 - all-gather K/V over cp=4, and USP (Ulysses 2 x ring 2): each Ulysses rank's heads' sinks;
-- pp=2 x tp=2: the second stage's sinks split over tp too (its blocks start on the meta device).
+- pp=2 x tp=2: each stage's sinks split over its own tp ranks.
 """
 
 from __future__ import annotations
