@@ -60,6 +60,8 @@ SLOW_CASES: dict[str, str] = {
         "test_converted_mlp_equals_hf",
     "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[pp2-tp2]":
         "test_families gpt_oss-pp (pp x fsdp) and tp2-zigzag2 (sinks over tp)",
+    "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[tp2-ulysses2]":
+        "test_families gpt_oss-ulysses (sinks follow the heads) and gpt_oss-tp (sinks split over tp)",
     "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[allgather4]":
         "usp2x2 (hf.py's merging-kind path) and test_ring_sinks[allgather-zigzag-False-4] (the all-gather op)",
     "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[tp4-mqa]":
