@@ -5,22 +5,27 @@ The reference is HF's own `GptOssMLP` with its eager expert loop, on the whole b
 The tiny model's clamp limit sits inside the range of the pre-activations (checked), and every bias
 is far from zero, so leaving out a clamp, a bias or the interleaving shows. Compared: the output,
 the input gradient and every parameter gradient, on one rank (loop and grouped GEMM) and with the
-experts split over ep = 4 (all-to-all dispatch, grouped GEMM), each rank feeding its own tokens.
+experts split over ep = 4 (all-to-all dispatch, grouped GEMM), each rank feeding its own tokens;
+and HF's pooled auxiliary loss (router logits with their bias) through a whole model under ep = 4.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as tdist
 import transformers
+from tests_support import assert_matches_reference
 from torch.distributed.tensor import DTensor
 
 from meshkit.expert_parallel import ClampedSwiGLU, ExpertLayout, MoE, apply_expert_parallel
 from meshkit.expert_parallel.grouped_gemm import swiglu_experts
 from meshkit.models.moe import convert_moe_blocks, moe_spec
+from meshkit.testing.families import FAMILY_FIELDS, family_spec
+from meshkit.testing.reference import BatchSpec, compare_training
 
 ATOL, RTOL = 1e-6, 1e-5  # fp32, the same for every ep
 HIDDEN, INTER, EXPERTS, TOKENS = 32, 16, 4, 32
@@ -159,3 +164,14 @@ def test_expert_parallel_gpt_oss_experts_match_hf(dist):
     for rank, r in enumerate(dist(4).run(_ep_worker, "grouped_mm")):
         assert r["y"] <= ATOL and r["dx"] <= ATOL, f"rank {rank}: output/input gradient differ: {r}"
         assert r["grad"] <= ATOL, f"rank {rank}: a parameter gradient differs by {r['grad']:.3g}"
+
+
+def _aux_on_rank(plan: str):
+    extra = FAMILY_FIELDS["gpt_oss"] + (("output_router_logits", True), ("router_aux_loss_coef", 0.5))
+    return dataclasses.asdict(compare_training(plan, family_spec("gpt_oss", extra=extra), BatchSpec(batch=4, seq=8)))
+
+
+def test_hf_aux_loss_with_the_biased_router_under_ep(dist):
+    """HF's pooled load-balancing term (router logits with their bias) in the loss and gradients, with
+    the experts over ep = 4: the whole model against HF's, two AdamW steps."""
+    assert_matches_reference(dist(4).run(_aux_on_rank, "dp_shard=4,ep=4"), "gpt_oss with HF's aux loss, ep=4")

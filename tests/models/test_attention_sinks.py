@@ -5,7 +5,10 @@ change their math (shorter windows are refused there: test_families).
 
 - tp=4 with one K/V head (MQA): every rank holds one query head, its sink, and a replicated K/V head;
 - tp=2 x zig-zag cp=2: each rank's sinks are its query heads', added once to the merged denominator;
-- all-gather K/V over cp=4, and USP (Ulysses 2 x ring 2): each Ulysses rank's heads' sinks.
+- all-gather K/V over cp=4, and USP (Ulysses 2 x ring 2): each Ulysses rank's heads' sinks;
+- pp=2 x tp=2: each stage's sinks split over its own tp ranks;
+- tp=2 x Ulysses cp=2 (window shorter than the sequence): a tp rank's sinks, then a Ulysses rank's
+  share of them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ def _window(length: int) -> tuple:
     ("tp=2,cp=2,cp_attention=zigzag", family_spec("gpt_oss", extra=_window(BATCH.seq))),
     ("cp=4,cp_attention=allgather", family_spec("gpt_oss", extra=_window(BATCH.seq))),
     ("cp=4,cp_attention=usp,cp_ulysses=2", family_spec("gpt_oss", extra=_window(BATCH.seq))),
-], ids=["tp4-mqa", "tp2-zigzag2", "allgather4", "usp2x2"])
+    ("pp=2,tp=2,pp_microbatches=2", family_spec("gpt_oss")),
+    ("tp=2,cp=2,cp_attention=ulysses", family_spec("gpt_oss")),
+], ids=["tp4-mqa", "tp2-zigzag2", "allgather4", "usp2x2", "pp2-tp2", "tp2-ulysses2"])
 def test_sinks_under_tp_and_ring(dist, plan, model):
     results = dist(4).run(_compare_on_rank, plan, model, BATCH)
     assert_matches_reference(results, f"gpt_oss under {plan}")
