@@ -38,6 +38,7 @@ BENCHMARKS = [
 
 
 def _run(name: str, args: list[str]) -> tuple[int, str, float]:
+    """One benchmark in its own process (the way a user runs it), so one that crashes or leaks ranks cannot take the others down."""
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], capture_output=True, text=True,
                           cwd=HERE.parent, env={**os.environ, "PYTHONWARNINGS": "ignore"})

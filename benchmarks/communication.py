@@ -56,6 +56,7 @@ def _wire(counter: CommCounter) -> dict[str, float]:
 
 
 def _meshkit_bytes(plan: str) -> dict[str, float]:
+    """Wire bytes of one meshkit step under `plan` (the same model and ids for every plan, so rows compare)."""
     pm = meshkit_model(MODEL, plan)
     ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with CommCounter(pm.mesh) as counter:
@@ -64,6 +65,7 @@ def _meshkit_bytes(plan: str) -> dict[str, float]:
 
 
 def _handwritten_fsdp_bytes() -> dict[str, float]:
+    """Wire bytes of the hand-written FSDP2 layout's step: the peer row of the FSDP table."""
     model, mesh = handwritten_fsdp(seeded_llama(MODEL))
     ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
     with CommCounter(mesh) as counter:
@@ -72,12 +74,14 @@ def _handwritten_fsdp_bytes() -> dict[str, float]:
 
 
 def _all_on_rank(plans: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Every plan and the peer on one pool of ranks, so the whole table comes from one run."""
     out = {key: _meshkit_bytes(plan) for key, plan in plans.items()}
     out["fsdp/hand-written fully_shard"] = _handwritten_fsdp_bytes()
     return out
 
 
 def _cp_minimum(kind: str, act: int, red: int) -> float:
+    """The fewest bytes a rank must send for CP `kind` at cp=2 (K/V and dK/dV blocks), the floor a kind is compared with."""
     L, cp, S_l = MODEL["num_hidden_layers"], 2, SEQ // 2
     kv, heads, d = MODEL["num_key_value_heads"], MODEL["num_attention_heads"], MODEL["head_dim"]
     block = 2 * BATCH * kv * S_l * d  # one rank's [K; V] elements
@@ -96,6 +100,7 @@ def _params() -> tuple[int, int]:
 
 
 def _fsdp_minimum() -> float:
+    """The fewest bytes FSDP's units must move per rank: forward gathers, backward re-gathers of the resharded blocks, one reduce-scatter."""
     total, blocks = _params()
     # fwd gathers everything, bwd re-gathers the blocks ([norm, head] is never resharded, the
     # embedding's backward reads no weight), every gradient reduce-scattered once; fp32, (n-1)/n = 1/2
@@ -103,6 +108,7 @@ def _fsdp_minimum() -> float:
 
 
 def _tp_minimum(sp: bool) -> float:
+    """The fewest bytes TP must move per rank: the activation reductions of each block plus embedding and LM head, with or without SP."""
     L, h = MODEL["num_hidden_layers"], MODEL["hidden_size"]
     act = BATCH * SEQ * h * 4
     # per block 2 reductions forward, 2 backward; + embedding output and LM-head input gradient
@@ -111,6 +117,7 @@ def _tp_minimum(sp: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Count every plan's bytes on 2 ranks, print them against the minimum and the peer, write with --out."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the markdown here")
     args = parser.parse_args(argv)
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     # FSDP runs over the cp ranks too (they hold the same weights): the cp axis's bytes are the plan's
     # minus what FSDP moves, measured on the ring plan of the same dtype (the ring gathers nothing).
     def cp_bytes(key: str) -> float:
+        """A CP kind's own bytes: the plan's FSDP traffic (the ring row's gathers and scatters) taken out."""
         m, ring = measured[key], measured["cp/ring/" + key.split("/", 2)[2]]
         fsdp_part = ring.get("all_gather", 0) + ring.get("reduce_scatter", 0)
         return m.get("send", 0) + m.get("all_to_all", 0) + m.get("all_gather", 0) + m.get("reduce_scatter", 0) - fsdp_part

@@ -59,11 +59,14 @@ FULL = dict(reps=15, warmup=2)
 
 
 def _ids() -> torch.Tensor:
+    """The same token ids on every rank and for every variant, so the losses must agree."""
     return torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 def _hf_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
+    """A timed step of an HF-side model (the peers: transformers' TP, hand-written FSDP2)."""
     def step() -> float:
+        """Forward and backward; gradients dropped so repetitions do not accumulate."""
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         for p in model.parameters():
@@ -73,7 +76,9 @@ def _hf_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
 
 
 def _meshkit_step(pm: Any, ids: torch.Tensor) -> Callable[[], float]:
+    """A timed meshkit step on the same ids, gradients dropped as the peer drops them."""
     def step() -> float:
+        """Forward and backward; gradients dropped so repetitions do not accumulate."""
         loss = pm.forward_backward(ids, ids)
         for p in pm.parameters():
             p.grad = None
@@ -82,6 +87,7 @@ def _meshkit_step(pm: Any, ids: torch.Tensor) -> Callable[[], float]:
 
 
 def _hf_tp(folder: str) -> LlamaForCausalLM:
+    """transformers' own tensor parallelism (`tp_plan="auto"`) of the saved model: the TP peer."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     return LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", device_mesh=mesh, dtype=torch.float32)
 
@@ -158,12 +164,14 @@ def profile_group(group: str, folder: str) -> dict[str, Any]:
 
 
 def _save_model(folder: str) -> None:
+    """Rank 0 saves the seeded model once so `from_pretrained` gives the TP peer the same weights."""
     if dist.get_rank() == 0:
         seeded_llama(MODEL).save_pretrained(folder)
     dist.barrier()
 
 
 def run_group(group: str, folder: str, reps: int, warmup: int, profile: bool) -> dict[str, Any]:
+    """One comparison group on every rank: timings, and the cProfile breakdown when asked."""
     _save_model(folder)
     result = time_group(group, folder, reps, warmup)
     if profile:
@@ -188,6 +196,7 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
 
 
 def _profile_lines(prof: dict[str, Any]) -> list[str]:
+    """The cProfile table: where each variant's CPU goes, by category, to explain a ratio rather than only state it."""
     names = list(prof)
     rows = [["step CPU, not profiled (ms)"] + [f"{prof[n]['plain'] * 1e3:.1f}" for n in names]]
     labels = [lab for lab, _ in CATEGORIES] + ["other Python"]
@@ -196,6 +205,7 @@ def _profile_lines(prof: dict[str, Any]) -> list[str]:
     rows.append(["cProfile: total (ms)"] + [f"{sum(prof[n]['cats'].values()) * 1e3:.1f}" for n in names])
 
     def count(n: str, pred: Callable[[str], bool]) -> int:
+        """Calls of the profiled functions whose name passes `pred` (a count per category)."""
         return sum(c for k, c in prof[n]["counts"].items() if pred(k))
 
     rows.append(["aten ops dispatched"] + [f"{count(n, lambda k: k.startswith('aten::'))}" for n in names])
@@ -208,6 +218,7 @@ def _profile_lines(prof: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time each group on 2 ranks, print the ratios, write the table and chart with --out."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder: writes cpu_time.md and cpu_time.png there")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK['reps']} repetitions instead of {FULL['reps']}")

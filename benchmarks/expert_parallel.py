@@ -53,6 +53,7 @@ class A2ARecorder(dispatch_mode_base()):  # type: ignore[misc]
         self.events: list[dict[str, Any]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Note each all-to-all's bytes that leave this rank (its own split stays) and each all-reduce's, then run the op."""
         name = func.__name__.split(".")[0]
         if func.namespace == "c10d" and name == "alltoall_base_":
             inp, group = args[1], dist.ProcessGroup.unbox(args[2])
@@ -86,6 +87,7 @@ def uniform_problem(moe: MoE, tokens: int, rank: int, dtype: torch.dtype) -> tor
 
 
 def build(shape: dict, dtype: torch.dtype = torch.float32, **kw: Any) -> MoE:
+    """A meshkit MoE layer of `shape` with the same weights on every rank and in every variant (seed 0)."""
     torch.manual_seed(0)
     return MoE(shape["hidden"], shape["inter"], shape["experts"], shape["top_k"], dtype=dtype, init_std=0.02, **kw)
 
@@ -157,15 +159,18 @@ def timing_run(shape: dict, rank: int, reps: int) -> dict:
     uniform_problem(full, shape["tokens"], rank, torch.float32)
 
     def ep_step() -> None:
+        """The expert-parallel step: the router's gradient needs the all-reduce, the experts' are complete after dispatch's backward."""
         ep_moe(x).square().sum().backward()
         dist.all_reduce(ep_moe.gate.weight.grad)  # expert grads are complete after the all-to-all backward
         ep_moe.zero_grad(set_to_none=True)
 
     def replicated_compute() -> None:
+        """The replicated layer's compute alone: the floor a data-parallel MoE cannot go under."""
         full(x).square().sum().backward()
         full.zero_grad(set_to_none=True)
 
     def replicated_step() -> None:
+        """The replicated layer as data parallelism runs it: every expert's gradient all-reduced."""
         full(x).square().sum().backward()
         grads = [p.grad for p in full.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -203,10 +208,12 @@ def rank_main(spec: dict) -> dict[str, Any]:
 
 
 def kib(n: float) -> str:
+    """Bytes as KiB for the tables (the byte counts of tiny shapes read better so)."""
     return f"{n / 1024:.1f}"
 
 
 def bytes_section(results: dict[int, list], shape: dict) -> list[str]:
+    """Section 1: all-to-all bytes per rank measured against T*K*H*(ep-1)/ep, the minimum a dispatch must move."""
     T, K, H = shape["tokens"], shape["top_k"], shape["hidden"]
     rows = []
     for ep, ranks in results.items():
@@ -216,6 +223,7 @@ def bytes_section(results: dict[int, list], shape: dict) -> list[str]:
             per_rank = [r["bytes"][case_idx]["events"] for r in ranks]
 
             def total(events: list[dict], phase: str, kind: str = "tokens") -> float:
+                """Bytes of one kind that left the ranks in one phase (tokens or counts), the quantity the theory predicts."""
                 return sum(e["off_rank"] for e in events if e["phase"] == phase and e["kind"] == kind)
 
             fwd = statistics.mean(total(ev, "forward") for ev in per_rank)
@@ -236,6 +244,7 @@ def bytes_section(results: dict[int, list], shape: dict) -> list[str]:
 
 
 def balance_section(ranks: list, shape: dict, steps: int, ep: int) -> list[str]:
+    """Section 2: how each balancing method evens the expert load over training, and what it costs the loss."""
     rows = []
     for res in ranks[0]["balance"]:
         r = res["ratios"]
@@ -257,6 +266,7 @@ def balance_section(ranks: list, shape: dict, steps: int, ep: int) -> list[str]:
 
 
 def timing_section(results: dict[int, list], shape: dict, reps: int) -> list[str]:
+    """Section 3: an expert-parallel step against the replicated layer of the same run, with and without its gradient all-reduce."""
     rows = []
     for ep, ranks in results.items():
         times = ranks[0]["timing"]["times"]  # barriers make every rank's step the slowest rank's
@@ -278,6 +288,7 @@ def timing_section(results: dict[int, list], shape: dict, reps: int) -> list[str
 
 
 def gemm_rows(device: torch.device, dtype: torch.dtype, shape: dict, reps: int) -> list[list[str]]:
+    """Grouped GEMM backends on one uneven routing, timed side by side (the ratio a backend choice rests on)."""
     E, H, inter, rows_total = shape["experts"], shape["hidden"], shape["inter"], shape["rows"]
     g = torch.Generator(device="cpu").manual_seed(0)
     counts = torch.multinomial(torch.ones(E), rows_total, replacement=True, generator=g).bincount(minlength=E)
@@ -292,6 +303,7 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, shape: dict, reps: int) 
         return [[device.type, str(dtype).split(".")[-1], "grouped_mm does not run here", "", "", ""]]
 
     def step(backend: str) -> float:
+        """Seconds of one forward and backward through a backend, synchronised on a GPU so queued kernels count."""
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -316,6 +328,7 @@ def gemm_rows(device: torch.device, dtype: torch.dtype, shape: dict, reps: int) 
 
 
 def gemm_section(args: argparse.Namespace) -> list[str]:
+    """Section 4: the grouped GEMM backends on CPU, and on a GPU when one is present and asked for."""
     cpu_shape = {"experts": 8, "hidden": 256, "inter": 512, "rows": 2048}
     torch.set_num_threads(1)  # like each rank above; a shared machine's spare cores are not ours
     rows = gemm_rows(torch.device("cpu"), torch.float32, cpu_shape, args.reps)
@@ -337,6 +350,7 @@ def gemm_section(args: argparse.Namespace) -> list[str]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; --quick keeps a run to about a minute on a shared 2-core machine."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about a minute)")
     p.add_argument("--steps", type=int, default=None, help="training steps of section 2 (default 40, quick 20)")
@@ -350,6 +364,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run every section on 2 and 4 ranks, print the markdown and write it with --out."""
     args = parse(argv)
     start = time.perf_counter()
     spec = {

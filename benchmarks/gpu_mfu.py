@@ -32,6 +32,7 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; --quick shortens the run for a GPU lent by the minute."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=8192)
@@ -80,6 +81,7 @@ def build(config, seed: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """meshkit and plain HF on one GPU, interleaved, with the MFU of each and their ratio (skipped without CUDA)."""
     args = parse(argv)
     if not torch.cuda.is_available():
         print("## Single-GPU MFU (meshkit vs plain HF)\n\nno CUDA device: skipped")
@@ -96,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     labels = ids.clone()  # unshifted, HF convention: both shift once
 
     def meshkit_step() -> torch.Tensor:
+        """meshkit's step under its plan (bf16 compute, selective AC, compiled blocks): the variant measured."""
         pm.model.zero_grad(set_to_none=True)
         return pm.forward_backward(ids, labels)
 
     def hf_step() -> torch.Tensor:
+        """Plain HF under bf16 autocast: the peer every single-GPU user already has."""
         hf.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = hf(input_ids=ids, labels=labels).loss

@@ -95,5 +95,6 @@ def handwritten_fsdp(model: LlamaForCausalLM) -> tuple[LlamaForCausalLM, Any]:
 
 @atexit.register
 def _close() -> None:
+    """Close the pools at exit, so no forked rank outlives the benchmark."""
     for p in _POOLS.values():
         p.close()

@@ -47,6 +47,7 @@ CONFIGS = {  # name -> (plan, fused)
 
 
 def _local_bytes(tensors) -> int:
+    """Bytes of the local parts (a DTensor's shard on this rank): what the rank itself holds."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
 
@@ -75,6 +76,7 @@ def measure(plan_text: str, fused: bool) -> dict:
     peak_grads = [0]
 
     def sample(_params=None) -> None:
+        """After each unit's reduction: the gradient bytes held at that moment, whose maximum is the step's gradient peak."""
         held = _held(pm, params, lambda: [])
         peak_grads[0] = max(peak_grads[0], held["grads"] + held["unreduced"])
 
@@ -88,6 +90,7 @@ def measure(plan_text: str, fused: bool) -> dict:
         handle = meshkit.fuse_optimizer_into_backward(pm, lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 
         def opt_state():
+            """The fused step's optimizer state, spread over its per-parameter optimizers."""
             return [v for o in handle.optimizers.values() for s in o.state.values() for v in s.values()
                     if torch.is_tensor(v)]
         pm.forward_backward(ids, ids)  # a first step creates the optimizer state
@@ -95,6 +98,7 @@ def measure(plan_text: str, fused: bool) -> dict:
         opt = torch.optim.AdamW(params, lr=1e-4)
 
         def opt_state():
+            """The plain AdamW's state tensors."""
             return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
         pm.forward_backward(ids, ids)
         opt.step()

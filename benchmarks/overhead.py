@@ -57,12 +57,14 @@ def time_overhead(args: argparse.Namespace) -> list[str]:
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
 
     def hf_step() -> float:
+        """Plain HF on one process: the peer meshkit's one-rank overhead is measured against."""
         loss = hf(input_ids=ids, labels=ids).loss
         loss.backward()
         hf.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     def mk_step() -> float:
+        """meshkit's one-rank step on the same model and ids; gradients dropped so repetitions do not accumulate."""
         loss = pm.forward_backward(ids, ids)
         for p in pm.parameters():
             p.grad = None
@@ -171,6 +173,7 @@ def count_step(spec: dict[str, Any]) -> dict[str, Any] | None:
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]), generator=gen)
 
     def step() -> None:
+        """One whole training step as the recipe runs it (count, forward/backward, clip, AdamW), so every collective counts."""
         denominator = pm.count_valid_tokens(ids)
         pm.forward_backward(ids, ids, loss_denominator=denominator)
         pm.clip_grad_norm_(1.0)
@@ -229,6 +232,7 @@ def bytes_vs_theory(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """(a) the step-time overhead against plain HF and (b) the bytes against the theory, printed and written with --out."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("both", "time", "bytes"), default="both")
     group = parser.add_argument_group("(a) step time")

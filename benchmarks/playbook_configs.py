@@ -81,6 +81,7 @@ def agreement(ours: str | None, theirs: str) -> str:
     if ours == theirs:
         return "yes"
     def axes(f: str) -> set[str]:
+        """A family's axes with ddp/hsdp/fsdp folded into one dp, so a flavour-only difference reads as 'axes', not 'no'."""
         return {"dp" if a in ("ddp", "hsdp", "fsdp") else a for a in f.split("+")}
     return "axes" if axes(ours) == axes(theirs) else "no"
 

@@ -44,6 +44,7 @@ def machine_line(extra: str = "") -> str:
 
 
 def _module_name() -> str:
+    """The `python -m` name this run was started as, so a results file cites a command that reruns it."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     return spec.name.removesuffix(".__main__") if spec is not None else sys.argv[0]
 

@@ -280,6 +280,12 @@ def _group_timeout(group) -> timedelta | None:
     return None
 
 
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Set the default process group's collective timeout after it was formed (`_set_pg_timeout` is
+    private in 2.11-2.13), so forming it may wait longer than a collective may (see mesh.ensure_process_group)."""
+    distributed_c10d._set_pg_timeout(timeout, distributed_c10d._get_default_group())
+
+
 def align_group_timeouts() -> None:
     """Give every process group made without a timeout the default group's (`[train] timeout_s`).
 

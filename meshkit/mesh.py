@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshkit._compat import align_group_timeouts, concatenate_meshes, flatten_mesh, split_axis, submesh
+from meshkit._compat import (
+    align_group_timeouts,
+    concatenate_meshes,
+    flatten_mesh,
+    set_default_group_timeout,
+    split_axis,
+    submesh,
+)
 from meshkit.plan import Plan, PlanError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -47,6 +54,9 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+FORMING_TIMEOUT_S = 300.0  # the least time ranks get to find each other, whatever the collective timeout
+
+
 def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.0) -> int:
     """Initialise the default process group from torchrun's environment if nobody has; return world size.
 
@@ -60,7 +70,12 @@ def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        # Forming the group waits for the slowest rank's start-up (imports: seconds on a loaded machine),
+        # which a short collective timeout must not bound: gloo's connect would fail the whole job.
+        forming_s = max(timeout_s, FORMING_TIMEOUT_S)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=forming_s))
+        if forming_s != timeout_s:
+            set_default_group_timeout(timedelta(seconds=timeout_s))
     else:
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,

@@ -51,6 +51,7 @@ def probe_hf_torch_cp(world: int, spec: dict) -> dict[int, str | None]:
 
 
 def _reason(exc_type: str, message: str) -> str:
+    """One line for a CP kind that could not run, for the table instead of a traceback."""
     if exc_type == NO_ANSWER:
         return "gloo lost its peer: " + message
     text = message.strip().splitlines()

@@ -20,6 +20,7 @@ from meshkit.context_parallel.kernels import attention_backward, attention_forwa
 
 
 def gpu_section(args: argparse.Namespace) -> list[str]:
+    """Section 5: whether a ring's small per-step blocks keep the GPU kernel as busy as one whole-sequence SDPA call."""
     lines = ["## 5. GPU: kernel efficiency of ring blocks vs one SDPA call", ""]
     if not args.gpu:
         return lines + ["Not requested (pass `--gpu`; it runs only when torch.cuda.is_available()).", ""]
@@ -48,6 +49,7 @@ def device_timer(device: torch.device, reps: int) -> Callable[[Callable[[], Any]
     """Median milliseconds of fn: CUDA events on a GPU (kernels are async), perf_counter elsewhere."""
 
     def measure(fn: Callable[[], Any]) -> float:
+        """Two warm-up calls first: the first launches pay for kernel selection and allocation."""
         for _ in range(2):
             fn()
         samples = []
@@ -78,6 +80,7 @@ def gpu_rows(shape: dict, cp: int, device: torch.device, dtype: torch.dtype, rep
     n = S // cp
 
     def sdpa(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor, d_: torch.Tensor, causal: bool) -> None:
+        """The peer: one fused SDPA forward and backward over the same blocks."""
         q_, k_, v_ = (t.detach().requires_grad_() for t in (q_, k_, v_))
         F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=Hkv != H).backward(d_)
 
@@ -85,6 +88,7 @@ def gpu_rows(shape: dict, cp: int, device: torch.device, dtype: torch.dtype, rep
     qi, kj, vj, di = (t.contiguous() for t in (q[:, :, n:2 * n], k[:, :, :n], v[:, :, :n], dout[:, :, n:2 * n]))
 
     def block() -> None:
+        """One ring step's work: meshkit's block kernel forward and backward with the final O and LSE."""
         out, lse = attention_forward(qi, kj, vj)
         attention_backward(di, qi, kj, vj, out, lse)
 
@@ -100,6 +104,7 @@ def gpu_rows(shape: dict, cp: int, device: torch.device, dtype: torch.dtype, rep
 
 
 def _half(x: torch.Tensor, half: int | None) -> torch.Tensor:
+    """The first or second half of the sequence dim (zig-zag's half blocks); None keeps the whole tensor."""
     return x if half is None else x.narrow(2, half * (x.shape[2] // 2), x.shape[2] // 2)
 
 

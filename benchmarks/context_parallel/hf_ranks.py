@@ -53,6 +53,7 @@ class NaiveCP:
         self.group = group
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, doc_ids: Tensor | None) -> Tensor:
+        """Attention of this rank's queries over the gathered K/V; packed documents refused (the baseline has no masks)."""
         if doc_ids is not None:
             raise ValueError("the all-gather baseline does not do packed documents")
         return allgather_attention(q, k, v, self.group, scale)
@@ -75,6 +76,7 @@ def build_meshkit(spec: dict, kind: str, ulysses: int) -> Any:
 
 
 def meshkit_step(pm: Any, ids: Tensor) -> float:
+    """One meshkit training step without the optimizer, so only forward and backward are timed."""
     loss = pm.forward_backward(ids, ids)
     for p in pm.parameters():
         p.grad = None
@@ -82,6 +84,7 @@ def meshkit_step(pm: Any, ids: Tensor) -> float:
 
 
 def plain_step(model: Any, ids: Tensor) -> float:
+    """The same step on the unparallelized HF model, the single-process peer."""
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     model.zero_grad(set_to_none=True)

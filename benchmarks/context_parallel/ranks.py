@@ -86,6 +86,7 @@ class Groups:
                         self.outer = pg
 
     def sizes(self) -> dict[str, int]:
+        """Group sizes by name, for turning the counter's per-group bytes into bytes on the wire."""
         groups = [g for g in (self.world, self.inner, self.outer) if g is not None]
         return {g.group_name: dist.get_world_size(g) for g in groups}
 
@@ -95,6 +96,7 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kv: Tensor, group: dist.ProcessGroup) -> Tensor:
+        """Gather K/V along the sequence from every rank (the all-gather CP kind's forward)."""
         ctx.group = group
         n = dist.get_world_size(group)
         local = kv.permute(3, 0, 1, 2, 4).contiguous()  # sequence first: all_gather_into_tensor concatenates dim 0
@@ -104,6 +106,7 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        """Reduce-scatter the K/V gradients back to their owners: the conjugate of the forward gather."""
         n = dist.get_world_size(ctx.group)
         full = grad.permute(3, 0, 1, 2, 4).contiguous()
         local = full.new_empty((full.shape[0] // n, *full.shape[1:]))
@@ -159,6 +162,7 @@ def local_inputs(shape: Shape, dtype: torch.dtype, variant: Variant) -> list[Ten
 
 
 def fwd_bwd(fn: Attention, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Tensor:
+    """One forward and backward of an attention function, gradients dropped so repetitions do not accumulate."""
     out = fn(q, k, v)
     out.backward(dout)
     q.grad = k.grad = v.grad = None
@@ -182,6 +186,7 @@ def torch_cp_attention(mesh: Any, causal_full: list[Tensor], gqa: bool) -> Tenso
 
 
 def first_line(e: BaseException) -> str:
+    """An exception as one table cell (a kind that fails is reported, not fatal)."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
@@ -231,6 +236,7 @@ def torch_cp_probe_section(spec: dict, groups: Groups) -> dict[str, Any]:
     rec = Recorder(groups.sizes() | {mesh.get_group().group_name: groups.size}, shape.head_dim)
 
     def run() -> None:
+        """torch's own context parallel on the same inputs, recorded like meshkit's kinds for the byte comparison."""
         with rec:
             torch_cp_attention(mesh, inputs, shape.kv_heads != shape.heads)
 
@@ -271,6 +277,7 @@ def attention_time_section(spec: dict, groups: Groups, torch_cp_ok: bool) -> dic
     gqa = shape.kv_heads != shape.heads
 
     def full_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention over the whole sequence in one process: the reference each kind is checked against, and a timed row."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     runs: dict[str, tuple[Callable[[], Any], bool]] = {}
@@ -342,4 +349,5 @@ def memory_section(spec: dict, groups: Groups) -> dict[str, Any]:
 
 
 def _whole_sequence(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention over the whole sequence on one rank: the reference each CP kind must equal."""
     return attention_block(q, k, v, causal_kind="causal")[0]

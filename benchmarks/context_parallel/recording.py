@@ -58,6 +58,7 @@ class _Kernels(dispatch_mode_base()):  # type: ignore[misc]
         self.max_extent = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        """Run the op, then note the attention kernels' work and the longest K/V run it produced."""
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = self.ops.get(func)
@@ -67,6 +68,7 @@ class _Kernels(dispatch_mode_base()):  # type: ignore[misc]
         return out
 
     def _kernel(self, kind: str, a: dict[str, Any]) -> None:
+        """Score elements of one attention kernel call (a causal block counts its triangle): the work-balance measure of section 1."""
         if kind == "block_op":  # meshkit::attention_block(q, k, v, causal_kind, ...): Ulysses' differentiable op
             q, k, causal = a["q"], a["k"], a["causal_kind"] == "causal"
         else:
@@ -78,11 +80,7 @@ class _Kernels(dispatch_mode_base()):  # type: ignore[misc]
         self.kernels[phase].append([per_head, B * H, Sq, Sk, int(bool(causal))])
 
     def _track_extent(self, out: Any) -> None:
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor) and t.dim() >= 4 and t.shape[-1] == self.head_dim:
-                self.max_extent = max(self.max_extent, int(t.shape[-2]))
-
-    def _track_extent(self, out: Any) -> None:
+        """The longest K/V run any op produced: what a kind materialises at once, beside its saved bytes."""
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, Tensor) and t.dim() >= 4 and t.shape[-1] == self.head_dim:
                 self.max_extent = max(self.max_extent, int(t.shape[-2]))
@@ -117,6 +115,7 @@ class Recorder:
         self._counter().__enter__()
 
     def _counter(self) -> CommCounter:
+        """The phase's own CommCounter, so forward and backward bytes are reported apart."""
         return self.counters.setdefault(self.phase, CommCounter())
 
     @property
@@ -169,6 +168,7 @@ class SavedBytes:
 
 
 def _status_kb(field: str) -> int:
+    """A field of /proc/self/status in KiB: the kernel's own RSS counters, for a peak torch's CPU allocator does not report."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):

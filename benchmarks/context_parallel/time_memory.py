@@ -20,12 +20,14 @@ def per_rep(times: list[list[list[float]]], name: str) -> list[float]:
 
 
 def cpu_rep(times: list[dict], name: str) -> list[float]:
+    """CPU seconds per repetition summed over ranks: on shared cores the CPU a step burns, beside its wall time."""
     ranks = [t[name] for t in times]
     reps = max(len(r) for r in ranks)
     return [sum(r[i][1] for r in ranks if r and r[i]) for i in range(reps)]
 
 
 def time_rows(times: list[dict], baselines: list[str], extra: Callable[[str], list[str]]) -> list[list[str]]:
+    """Table rows (median, best, CPU) per timed variant with its ratio to each baseline, measured in the same run."""
     names = list(times[0])
     walls = {n: per_rep(times, n) for n in names}
     rows = []
@@ -40,6 +42,7 @@ def time_rows(times: list[dict], baselines: list[str], extra: Callable[[str], li
 
 def time_section(res: dict, cp: int, shape: dict, model: dict, reps: tuple[int, int],
                  torch_hf: str | None) -> list[str]:
+    """Section 3: attention and whole-model step times against the single-process baselines of the same run."""
     att = [r["attention_time"] for r in res["ranks"]]
     hf = [r["hf_time"] for r in res["ranks"]]
     single_att, single_hf = "single process (full SDPA)", "single process (plain HF)"
@@ -80,6 +83,7 @@ def time_section(res: dict, cp: int, shape: dict, model: dict, reps: tuple[int, 
 
 
 def _torch_cp_line(reason: str | None, what: str) -> list[str]:
+    """Why torch's experimental CP has a row or not, so a missing peer is explained rather than silently absent."""
     if reason is None:
         return ["torch experimental CP ran (row 'torch CP (alltoall ring)'): it reshards its buffers inside "
                 "the context manager on every call, which is included in its time.", ""]
@@ -100,6 +104,7 @@ def _torch_cp_line(reason: str | None, what: str) -> list[str]:
 
 
 def memory_section(res: dict, cp: int, shape: dict, seqs: Sequence[int]) -> list[str]:
+    """Section 4: saved bytes per rank against cp=1's divided by cp, the memory claim CP exists for."""
     ranks = [r["memory"] for r in res["ranks"]]
     lines = [
         f"## 4. Memory per rank vs sequence length (cp=1 vs cp={cp}, fp32, B={shape['batch']}, H={shape['heads']}, "
@@ -141,6 +146,7 @@ def memory_section(res: dict, cp: int, shape: dict, seqs: Sequence[int]) -> list
 
 
 def _peak(recs: list[dict], key: str) -> str:
+    """The largest peak of the ranks that reported one, formatted (none: not measured on this platform)."""
     peaks = [r[key] for r in recs if r[key] is not None]
     return mib(max(peaks) if peaks else None)
 

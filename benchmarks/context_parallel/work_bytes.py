@@ -45,6 +45,7 @@ def expected_kernels(kind: str, cp: int, rank: int, shape: dict, ulysses: int) -
 
 
 def rank_scores(kind: str, cp: int, rank: int, shape: dict, ulysses: int) -> int:
+    """Score elements one rank should compute for a kind (the schedule's expected kernels), to check the measured ones."""
     return sum(e * bh for e, bh in expected_kernels(kind, cp, rank, shape, ulysses))
 
 
@@ -77,6 +78,7 @@ def kernel_check(kind: str, cp: int, shape: dict, ulysses: int, record: dict | N
 
 
 def work_section(shape: dict, cps: Sequence[int], ulysses: int, counts: dict[int, dict]) -> list[str]:
+    """Section 1: attention work per rank and per step, the load balance zig-zag is for."""
     S, B, H = shape["seq"], shape["batch"], shape["heads"]
     triangle = B * H * S * (S + 1) // 2
     lines = [
@@ -147,23 +149,27 @@ def theory_bytes(kind: str, cp: int, shape: dict, itemsize: int, ulysses: int) -
 
 
 def _ring_bytes(n: int, kv_elems: int, itemsize: int) -> tuple[float, float]:
+    """Ring theory (forward, backward): K/V blocks sent n-1 times; backward sends them again and dK/dV n times in fp32."""
     forward = (n - 1) * 2 * kv_elems * itemsize
     return forward, forward + n * 2 * kv_elems * FP32
 
 
 def _ulysses_bytes(P: int, token_elems: int, H: int, Hkv: int, itemsize: int) -> tuple[float, float]:
+    """Theory for Ulysses: the (P-1)/P of q, k, v (replicated KV heads counted) and the output that leave the rank, each way."""
     rep = kv_replication(H, Hkv, P)
     one_way = (P - 1) / P * token_elems * itemsize * ((H + 2 * Hkv * rep) + H)
     return one_way, one_way
 
 
 def _calls(record: list[dict], phase: str) -> str:
+    """The collective calls of one phase, for the table (a kind's byte count alone hides a call-count regression)."""
     calls = record[0]["calls"]
     return ", ".join(f"{k.split(':')[1]} x{v}" for k, v in sorted(calls.items()) if k.startswith(phase)) or "none"
 
 
 def bytes_section(shape: dict, counts: dict[int, dict], ulysses: int, dtypes: Sequence[str],
                   torch_cp: dict[int, dict]) -> list[str]:
+    """Section 2: bytes each rank sends, measured on the collectives against the closed forms above."""
     lines = [
         "## 2. Bytes sent per rank per attention call (measured on the collectives vs theory)",
         "",
@@ -198,6 +204,7 @@ def bytes_section(shape: dict, counts: dict[int, dict], ulysses: int, dtypes: Se
 
 
 def _torch_cp_bytes(torch_cp: dict[int, dict]) -> list[str]:
+    """torch's experimental CP bytes at each cp, or why it did not run, as the peer line of section 2."""
     lines = []
     for cp, res in sorted(torch_cp.items()):
         if res["reason"] is not None:
