@@ -222,10 +222,10 @@ def record(t0: float, t1: float, cpu: float, keep_sequence: bool) -> dict[str, A
     out: dict[str, Any] = {"t0": t0, "t1": t1, "cpu": cpu, "busy": busy, "count": count}
     if keep_sequence:
         out["sequence"] = "".join(kind for kind, _, _ in SLEEPS)
-    if TRACE:  # as text and floats, for `critical_path`
+    out["sleeps"] = list(SLEEPS)  # every sleep, for the per-action replay (`replay.sleep_times`)
+    if TRACE:  # as text and floats, for `critical_path` and `replay.stage_times`
         out["trace"] = [(e.kind, tuple(map(str, e.what)) if e.kind == "post" else str(e.what), e.start, e.end)
                         for e in TRACE]
-        out["sleeps"] = list(SLEEPS)
     return out
 
 

@@ -4,7 +4,7 @@ and the closed bubble formulas (sections 1-3), and the simulated timelines (sect
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -12,6 +12,14 @@ from typing import Any
 
 from benchmarks.pipeline import torch_pipeline as torch_pp
 from benchmarks.pipeline.critical_path import CATEGORIES, critical_path
+from benchmarks.pipeline.replay import (
+    exact_ms,
+    expected_sequences,
+    replay_ratios,
+    sleep_times,
+    spread,
+    stage_times,
+)
 from benchmarks.report import ms, paired, pct, table
 from meshkit.pipeline.schedules import (
     Action,
@@ -19,15 +27,12 @@ from meshkit.pipeline.schedules import (
     Schedule,
     ScheduleError,
     build_schedule,
-    compute_only,
     with_communication,
 )
 from meshkit.pipeline.simulate import Costs, SimulationResult, render_png, render_text, simulate
 
 SCHEDULES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
                                           ("zb_h2", 1), ("zb_v", 2), ("dualpipe_v", 2))
-#: The sleeps one action of each kind triggers in SleepStage (a full backward fires W's hook first).
-SLEEPS_OF = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.W: "W", ActionKind.BW: "WB"}
 MS = 1000.0
 
 # ---------------------------------------------------------------------------------------- formatting
@@ -93,27 +98,24 @@ def paired_ratio(a: Timing, b: Timing, what: str = "steps") -> float:
 # --------------------------------------------------------------------------------------- simulation
 
 
-def exact_ms(seconds: float) -> Fraction:
-    """Milliseconds to the microsecond, exact, so the simulator's rendering stays readable."""
-    return Fraction(round(seconds * MS * 1000), 1000)
-
-
 def stage_costs(costs_ms: Sequence[float], v: int) -> Costs:
     """Per-stage costs: a rank's work per microbatch is spread over its v stages."""
     f, b, w = (Fraction(c).limit_denominator(1000) / v for c in costs_ms)
     return Costs(forward=f, backward_input=b, backward_weight=w)
 
 
-def overhead_ratio(schedule: Schedule, t: Timing, costs_type: type[Costs] = Costs) -> float:
-    """Median over repetitions of step / simulated step at that repetition's own sleep durations.
+def records(ranks: list[dict], variant: str) -> list[list[dict]]:
+    """Every rank's repetitions of one sleep-section variant."""
+    return [r["sleep"]["times"][variant] for r in ranks]
 
-    Per repetition, because one badly overslept sleep on a loaded machine would skew a mean over all.
+
+def sleep_ratios(schedule: Schedule, ranks: list[dict], variant: str, torch_first_stage: bool = False) -> list[float]:
+    """Per repetition: step / the simulator's step with every action at the sleeps it actually slept.
+
+    Per repetition and per action, because the critical path collects the slow sleeps of that very
+    step (one badly overslept wake-up on a loaded machine), which a mean per kind would smear out.
     """
-    ratios = []
-    for step, sleeps in zip(t.steps, t.sleeps):
-        costs = costs_type(*(exact_ms(sleeps.get(kind, 0.0)) for kind in "FBW"))
-        ratios.append(step * MS / float(simulate(schedule, costs).step_time))
-    return statistics.median(ratios)
+    return replay_ratios(schedule, records(ranks, variant), lambda rep: sleep_times(schedule, rep, torch_first_stage))
 
 
 @dataclass(frozen=True)
@@ -173,22 +175,6 @@ def span_bubble(result: SimulationResult) -> Fraction:
     """Idle inside every rank's span over the ranks' busy-plus-idle time: the bubble once steps overlap."""
     idle = sum(result.span_idle, Fraction(0))
     return idle / (sum(result.busy, Fraction(0)) + idle)
-
-
-def expected_sequences(schedule: Schedule, torch_first_stage: bool = False) -> list[str]:
-    """Per rank, the sleeps its actions trigger; torch's first stage sleeps nothing in B and both in W.
-
-    On a meshkit rank whose list has W actions (DualPipeV mixes B/W with BW), the linears defer their
-    weight gradients in every backward, so a BW sleeps B first and then runs its W (the hook) at once.
-    """
-    out = []
-    for actions in compute_only(schedule).ranks:
-        sleeps = dict(SLEEPS_OF)
-        if not torch_first_stage and any(a.kind is ActionKind.W for a in actions):
-            sleeps[ActionKind.BW] = "BW"
-        first = {**sleeps, ActionKind.B: "", ActionKind.W: "WB"} if torch_first_stage else sleeps
-        out.append("".join((first if a.stage == 0 else sleeps)[a.kind] for a in actions))
-    return out
 
 
 def sequence_check(expected: list[str], got: list[str]) -> str:
@@ -255,7 +241,7 @@ def sleep_row(name: str, v: int, p: int, m: int, costs_ms: Sequence[float], rank
         return [label(name, v), f"{float(ideal.step_time):.0f}", f"did not run: {t}"] + [""] * 10
     return [
         label(name, v), f"{float(ideal.step_time):.0f}", ms(t.step), f"{t.step * MS / float(ideal.step_time):.3f}",
-        f"{overhead_ratio(schedule, t):.3f}", f"{implied_overhead(schedule, t) * MS:.2f}",
+        _ratio_cell(sleep_ratios, schedule, ranks, f"meshkit:{name}"), f"{implied_overhead(schedule, t) * MS:.2f}",
         "/".join(f"{t.per_sleep.get(k, 0) * MS:.2f}" for k in "FBW"),
         f"{formula_text(name)} = {pct(formula_bubble(name, p, m, v, costs_ms))}"
         + (" (holds for m >= p)" if name == "zb_h1" and m < p else ""), pct(ideal.bubble_fraction),
@@ -297,35 +283,19 @@ def zb_vs_1f1b(p: int, m: int, costs_ms: Sequence[float], ranks: list[dict]) -> 
             f"{float(sims['zb_h1'].step_time / sims['1f1b'].step_time):.3f}"]
 
 
-def measured_stage_costs(rep: Sequence[dict[str, Any]]) -> Costs:
-    """One repetition's mean model time per action kind over all ranks, from the traces' "stage" events
-    (the stage module and loss, the autograd backward, the deferred W: sleeps plus the code around
-    them). A BW is split into B and W by the W sleeps its weight hook took."""
-    spans: dict[str, list[float]] = {}
-    w_sleeps: list[float] = []
-    for rec in rep:
-        for kind, what, start, end in rec["trace"]:
-            if kind == "stage":
-                spans.setdefault(what[:2].rstrip("0123456789."), []).append(end - start)
-        w_sleeps += [end - start for k, start, end in rec["sleeps"] if k == "W"]
-    mean = {k: statistics.fmean(v) for k, v in spans.items()}
-    w = mean.get("W", statistics.fmean(w_sleeps) if w_sleeps else 0.0)
-    b = mean.get("B", mean.get("BW", w) - w)
-    return Costs(exact_ms(mean["F"]), exact_ms(b), exact_ms(w))
-
-
-def stage_time_ratio(schedule: Schedule, per_rank: list[list[dict]]) -> float:
-    """Median over repetitions of step / simulated step at that repetition's measured stage times."""
-    ratios = []
-    for rep in zip(*per_rank):
-        step = max(r["t1"] for r in rep) - min(r["t0"] for r in rep)
-        ratios.append(step * MS / float(simulate(schedule, measured_stage_costs(rep)).step_time))
-    return statistics.median(ratios)
+def _ratio_cell(compute: Callable[..., list[float]], *args: Any, **kwargs: Any) -> str:
+    """`spread` of the ratios `compute(*args, **kwargs)` returns, or why there are none (records that cannot
+    be replayed)."""
+    try:
+        return spread(compute(*args, **kwargs))
+    except (ValueError, KeyError) as error:
+        return f"n/a ({torch_pp.first_line(error)})"
 
 
 def overhead_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tuple[str, int]]) -> list[str]:
-    """The runtime-overhead target side by side: each runtime's step over the simulation of its own
-    order at the sleeps it actually slept (per repetition, then the median), and their paired ratio."""
+    """The runtime-overhead target side by side: each runtime's step over the simulator's replay of its
+    own order at what each of its actions took in that repetition (median [min-max] over repetitions),
+    and their paired ratio."""
     info = ranks[0]["sleep"]
     rows = []
     for name, v in schedules:
@@ -333,10 +303,11 @@ def overhead_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tupl
         cls = torch_pp.PEERS[name][0] if name in torch_pp.PEERS else "none"
         if isinstance(mine, Timing):
             schedule = build_schedule(name, p, m, v)
-            recs = [r["sleep"]["times"][f"meshkit:{name}"] for r in ranks]
+            recs = records(ranks, f"meshkit:{name}")
             traced = all("trace" in rec for recs_ in recs for rec in recs_)
-            cells = [ms(mine.step), f"{overhead_ratio(schedule, mine):.3f}",
-                     f"{stage_time_ratio(schedule, recs):.3f}" if traced else "not traced"]
+            cells = [ms(mine.step),
+                     _ratio_cell(replay_ratios, schedule, recs, stage_times) if traced else "not traced",
+                     _ratio_cell(sleep_ratios, schedule, ranks, f"meshkit:{name}")]
         else:
             cells = [f"did not run: {mine}", "", ""]
         order = torch_schedule(info["torch_orders"].get(name, "not built"), cls, p * v, m)
@@ -344,14 +315,13 @@ def overhead_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tupl
             why = info["torch_refused"].get(name) or theirs
             rows.append([label(name, v), *cells, cls, f"n/a ({why})", "", ""])
             continue
-        ratio = (f"{overhead_ratio(order, theirs, TorchFirstStageCosts):.3f}" if not isinstance(order, str)
-                 else f"n/a ({order})")
+        ratio = (_ratio_cell(sleep_ratios, order, ranks, f"torch:{name}", torch_first_stage=True)
+                 if not isinstance(order, str) else f"n/a ({order})")
         rows.append([label(name, v), *cells, cls, ms(theirs.step), ratio,
                      f"{paired_ratio(mine, theirs):.3f}" if isinstance(mine, Timing) else "n/a"])
-    return table(["schedule", "meshkit (ms)", "meshkit measured / sim at its measured sleeps",
-                  "meshkit measured / sim at its measured stage times", "torch class",
-                  "torch (ms)", "torch measured / sim of torch's order at its measured sleeps",
-                  "meshkit / torch (paired)"], rows)
+    return table(["schedule", "meshkit (ms)", "meshkit measured / sim at its per-action stage times",
+                  "meshkit measured / sim at its per-action sleeps", "torch class", "torch (ms)",
+                  "torch measured / sim of torch's order at its per-action sleeps", "meshkit / torch (paired)"], rows)
 
 
 def breakdown_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tuple[str, int]]) -> list[str]:

@@ -123,6 +123,19 @@ class Schedule:
                         f"{self.num_stages}, num_microbatches={self.num_microbatches}"
                     )
 
+    def __hash__(self) -> int:
+        """Cached: the runtime's per-call caches key on the schedule, and hashing it afresh walks every
+        action (hundreds of Python-level hashes) at the start of every step."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.ranks, self.num_stages, self.num_microbatches, self.name, self.forward_only))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash: string hashes differ between processes."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def num_ranks(self) -> int:
         """Pipeline ranks the schedule has action lists for."""

@@ -73,48 +73,60 @@ class Transfer(NamedTuple):
 
 
 class Transfers:
-    """Posts batches of transfers on the pipeline group and keeps them alive until they complete.
+    """Posts transfers on the pipeline group and keeps them alive until they complete.
 
-    Send buffers are held until their work completes (gloo reads them asynchronously); receive
-    buffers are handed out by key once their work has been waited on.
+    Send buffers are held until they complete: on gloo until `finish` (the transport reads them
+    asynchronously, and a gloo work reports completion only once waited on, which a send cannot be
+    mid-step: a wait would let a send block, which the deadlock proof rules out); on NCCL until a
+    later batch finds them complete. Receive buffers are handed out by tag once waited on.
     """
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self._global = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-        self._batched = dist.get_backend(group) != "gloo"  # NCCL: one group per batch (see the module doc)
+        #: NCCL: one group per batch (see the module doc); gloo: each transfer posted by itself.
+        self.batched = dist.get_backend(group) != "gloo"
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._receives: dict[object, tuple[list[dist.Work], torch.Tensor]] = {}
+        self._receives: dict[int, tuple[list[dist.Work], torch.Tensor]] = {}
 
-    def post(self, batch: list[tuple[object, Transfer]]) -> None:
-        """Start every transfer of `batch` at once; `key`s name receives for `take`."""
+    def post_one(self, t: Transfer) -> None:
+        """Start one transfer on a non-coalescing backend (gloo), straight on the group (see `p2p_send`)."""
+        if t.send:
+            self._sends.append((p2p_send(self.group, t.tensor, t.peer, t.tag), t.tensor))
+        else:
+            if t.tag in self._receives:
+                raise RuntimeError(f"receive with tag {t.tag} posted twice")
+            self._receives[t.tag] = ([p2p_recv(self.group, t.tensor, t.peer, t.tag)], t.tensor)
+
+    def post(self, batch: list[Transfer]) -> None:
+        """Start every transfer of `batch` at once (one `batch_isend_irecv` group on a coalescing backend)."""
         if not batch:
             return
-        if not self._batched:  # the group-local peer, straight to the group (see `p2p_send`)
-            works = [(p2p_send if t.send else p2p_recv)(self.group, t.tensor, t.peer, t.tag) for _, t in batch]
-        else:
-            ops = [
-                dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, self._global[t.peer], self.group, t.tag)
-                for _, t in batch
-            ]
-            works = list(dist.batch_isend_irecv(ops))
+        if not self.batched:
+            for t in batch:
+                self.post_one(t)
+            return
+        ops = [dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, self._global[t.peer], self.group, t.tag)
+               for t in batch]
+        works = list(dist.batch_isend_irecv(ops))
         # A coalescing backend (NCCL) returns one work for the whole batch instead of one per op.
         per_op = [[w] for w in works] if len(works) == len(batch) else [works] * len(batch)
-        for (key, t), op_works in zip(batch, per_op):
+        for t, op_works in zip(batch, per_op):
             if t.send:
                 self._sends.extend((w, t.tensor) for w in op_works)
             else:
-                if key in self._receives:
-                    raise RuntimeError(f"receive {key} posted twice")
-                self._receives[key] = (op_works, t.tensor)
-        self._release_finished_sends()
+                if t.tag in self._receives:
+                    raise RuntimeError(f"receive with tag {t.tag} posted twice")
+                self._receives[t.tag] = (op_works, t.tensor)
+        # NCCL's works report completion as the stream passes them: free those send buffers now.
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
 
-    def take(self, key: object) -> torch.Tensor:
-        """Block until the receive posted under `key` has arrived; return its buffer."""
+    def take(self, tag: int) -> torch.Tensor:
+        """Block until the receive posted under `tag` has arrived; return its buffer."""
         try:
-            works, tensor = self._receives.pop(key)
+            works, tensor = self._receives.pop(tag)
         except KeyError:
-            raise RuntimeError(f"{key} consumed before its receive was posted") from None
+            raise RuntimeError(f"receive with tag {tag} consumed before it was posted") from None
         for work in works:
             work.wait()
         return tensor
@@ -125,7 +137,4 @@ class Transfers:
             work.wait()
         self._sends.clear()
         if self._receives:
-            raise RuntimeError(f"receives posted but never consumed: {sorted(map(str, self._receives))}")
-
-    def _release_finished_sends(self) -> None:
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            raise RuntimeError(f"receives posted but never consumed (tags): {sorted(self._receives)}")

@@ -36,6 +36,7 @@ from meshkit._compat import fsdp_post_backward
 from meshkit.data_parallel import reshard_fsdp
 from meshkit.pipeline.actions import Action, ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
+from meshkit.pipeline.program import COMM, Compute, Post, compile_rank
 from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
 from meshkit.zero.stages import fsdp_roots
@@ -48,8 +49,7 @@ LossFn = Callable[[Any, int], torch.Tensor]
 Shapes = TensorMeta | Mapping[int, TensorMeta] | Callable[[int, int], TensorMeta]
 
 K = ActionKind
-_COMM = frozenset({K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B})
-#: A receive is posted this many compute actions before the compute that consumes it (see `_steps`).
+#: A receive is posted this many compute actions before the compute that consumes it (see `program`).
 RECEIVE_LOOKAHEAD = 1
 
 
@@ -58,8 +58,9 @@ class TraceEvent(NamedTuple):
     ranks of one machine share it): `kind` is "call" (the whole `run_schedule`), "compute" (an F, B,
     W or BW, waits included), "stage" (inside a compute: the stage module and the loss, the autograd
     backward, or the deferred weight gradients: the model's own work, as opposed to the runtime's),
-    "post" (a batch of sends and receives being started) or "wait" (blocked on a receive inside a
-    compute); `what` is the action, or the tuple of actions posted."""
+    "post" (transfers being started: each one by itself on gloo, one batch on a coalescing backend)
+    or "wait" (blocked on a receive inside a compute); `what` is the action, or the tuple of actions
+    posted."""
 
     kind: str
     what: object
@@ -103,31 +104,24 @@ def run_schedule(
               shapes, stage_kwargs)
     run = _RankRun(schedule, rank, stages, pp_group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device,
                    trace)
-    actions = schedule.ranks[rank]
-    splits = any(a.kind is K.W for a in actions)
+    splits = any(a.kind is K.W for a in schedule.ranks[rank])
     fsdp = (contextlib.nullcontext() if schedule.forward_only else
             _fsdp_reduce_once(list(stages.values()), reduce_grads=reduce_grads, reshard=reshard))
-    with fsdp, (
-        deferrable_linears(stages.values()) if splits else contextlib.nullcontext()
-    ):
-        for transfers, compute in _steps(schedule, rank, RECEIVE_LOOKAHEAD):
-            action, position = transfers[0] if transfers else compute
-            try:
-                if transfers:
-                    start = time.perf_counter() if trace is not None else 0.0
-                    run.post([a for a, _ in transfers])
-                    if trace is not None:
-                        trace.append(TraceEvent("post", tuple(a for a, _ in transfers), start, time.perf_counter()))
+    current: Post | Compute | None = None
+    with fsdp, (deferrable_linears(stages.values()) if splits else contextlib.nullcontext()):
+        try:
+            for posts, compute in compile_rank(schedule, rank, RECEIVE_LOOKAHEAD):
+                if posts:
+                    current = posts[0]
+                    run.post(posts)
                 if compute is not None:
-                    action, position = compute
-                    start = time.perf_counter() if trace is not None else 0.0
-                    run.compute(action, deferred=splits)
-                    if trace is not None:
-                        trace.append(TraceEvent("compute", action, start, time.perf_counter()))
-            except Exception as exc:
-                _note(exc, f"meshkit pipeline rank {rank} failed in {action} (position {position} "
-                           f"of {len(actions)} in schedule {schedule.name!r})")
-                raise
+                    current = compute
+                    run.compute(compute, splits)
+        except Exception as exc:
+            if current is not None:
+                _note(exc, f"meshkit pipeline rank {rank} failed in {current.action} (position "
+                           f"{current.position} of {len(schedule.ranks[rank])} in schedule {schedule.name!r})")
+            raise
         run.finish()
     if trace is not None:
         trace.append(TraceEvent("call", schedule.name, entered, time.perf_counter()))
@@ -139,10 +133,8 @@ class _RankRun:
 
     def __init__(self, schedule, rank, stages, group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device,
                  trace=None):
-        self.owner = schedule.stage_to_rank()
         self.keep = not schedule.forward_only  # what backward needs; evaluation drops each tensor once used
         self.last = schedule.num_stages - 1
-        self.m = schedule.num_microbatches
         self.rank, self.stages = rank, stages
         self.inputs, self.loss_fn = microbatch_inputs, loss_fn
         self.shapes, self.stage_kwargs = shapes, stage_kwargs
@@ -155,31 +147,51 @@ class _RankRun:
         self.losses: dict[int, torch.Tensor] = {}
         self.trace = trace
 
-    def post(self, actions: Sequence[Action]) -> None:
-        """Start these sends and receives as one batch (receives are waited on by their consumer)."""
-        self.p2p.post([self._transfer(a) for a in actions])
+    def post(self, posts: Sequence[Post]) -> None:
+        """Start these sends and receives (receives are waited on by their consumer).
 
-    def compute(self, action: Action, deferred: bool) -> None:
-        """Run one F, B, BW or W."""
-        if action.kind is K.F:
-            self._forward(action.stage, action.microbatch)
-        elif action.kind in (K.B, K.BW):
-            self._backward(action.stage, action.microbatch, weights_now=action.kind is K.BW, deferred=deferred)
-        else:
-            start = time.perf_counter() if self.trace is not None else 0.0
-            self.pending.pop((action.stage, action.microbatch)).run()
+        On gloo each transfer goes out on its own, in order, the moment it is built (a send is not held
+        back while the receives after it are prepared); a coalescing backend gets them as one batch.
+        """
+        if self.trace is None and not self.p2p.batched:
+            for p in posts:
+                self.p2p.post_one(self._transfer(p))
+            return
+        if self.p2p.batched:
+            start = time.perf_counter()
+            self.p2p.post([self._transfer(p) for p in posts])
             if self.trace is not None:
-                self.trace.append(TraceEvent("stage", action, start, time.perf_counter()))
+                self.trace.append(TraceEvent("post", tuple(p.action for p in posts), start, time.perf_counter()))
+            return
+        for p in posts:
+            start = time.perf_counter()
+            self.p2p.post_one(self._transfer(p))
+            self.trace.append(TraceEvent("post", (p.action,), start, time.perf_counter()))
+
+    def compute(self, c: Compute, deferred: bool) -> None:
+        """Run one F, B, BW or W."""
+        start = time.perf_counter() if self.trace is not None else 0.0
+        if c.kind is K.F:
+            self._forward(c)
+        elif c.kind is K.W:
+            self.pending.pop((c.stage, c.microbatch)).run()
+            if self.trace is not None:
+                self.trace.append(TraceEvent("stage", c.action, start, time.perf_counter()))
+        else:
+            self._backward(c, deferred)
+        if self.trace is not None:
+            self.trace.append(TraceEvent("compute", c.action, start, time.perf_counter()))
 
     # ------------------------------------------------------------------ compute
-    def _forward(self, s: int, mb: int) -> None:
+    def _forward(self, c: Compute) -> None:
+        s, mb = c.stage, c.microbatch
         if s == 0:
             x = self.inputs[mb]
         else:
-            if self.owner[s - 1] == self.rank:  # same tensor the wire would carry, without the wire
+            if c.received is None:  # same tensor the wire would carry, without the wire
                 x = wire_tensor(self.outputs[(s - 1, mb)] if self.keep else self.outputs.pop((s - 1, mb)))
             else:
-                x = self._take(K.RECV_F, s, mb)
+                x = self._take(c)
             if self.keep:
                 x.requires_grad_(x.is_floating_point())
                 self.stage_inputs[(s, mb)] = x
@@ -190,57 +202,56 @@ class _RankRun:
             out = self.loss_fn(out, mb)
             self.losses[mb] = out.detach()
         if self.trace is not None:
-            self.trace.append(TraceEvent("stage", Action(K.F, s, mb), start, time.perf_counter()))
+            self.trace.append(TraceEvent("stage", c.action, start, time.perf_counter()))
         if s < self.last or self.keep:
             self.outputs[(s, mb)] = out
 
-    def _backward(self, s: int, mb: int, weights_now: bool, deferred: bool) -> None:
+    def _backward(self, c: Compute, deferred: bool) -> None:
+        s, mb = c.stage, c.microbatch
         out = self.outputs.pop((s, mb))
         grad = None
         if s < self.last:
-            grad = (self.input_grads.pop((s + 1, mb)) if self.owner[s + 1] == self.rank
-                    else self._take(K.RECV_B, s, mb))
+            grad = self.input_grads.pop((s + 1, mb)) if c.received is None else self._take(c)
             if isinstance(out, DTensor) and not isinstance(grad, DTensor):
                 grad = DTensor.from_local(grad, out.device_mesh, out.placements, run_check=False,
                                           shape=out.shape, stride=out.stride())
-        pending = PendingWeightGrads()
         start = time.perf_counter() if self.trace is not None else 0.0
-        with collecting(pending) if deferred else contextlib.nullcontext():
+        if deferred:
+            pending = PendingWeightGrads()
+            with collecting(pending):
+                torch.autograd.backward(out, grad)
+            if c.kind is K.BW:
+                pending.run()
+            else:
+                self.pending[(s, mb)] = pending
+        else:  # no W on this rank: nothing is deferred, BW is one plain backward
             torch.autograd.backward(out, grad)
-        if weights_now:
-            pending.run()
-        else:
-            self.pending[(s, mb)] = pending
         if self.trace is not None:
-            kind = K.BW if weights_now else K.B
-            self.trace.append(TraceEvent("stage", Action(kind, s, mb), start, time.perf_counter()))
+            self.trace.append(TraceEvent("stage", c.action, start, time.perf_counter()))
         if s > 0:
             x = self.stage_inputs.pop((s, mb))
             self.input_grads[(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
 
     # ------------------------------------------------------------- transfers
-    def _take(self, kind: ActionKind, s: int, mb: int) -> torch.Tensor:
+    def _take(self, c: Compute) -> torch.Tensor:
         if self.trace is None:
-            return self.p2p.take((kind, s, mb))
+            return self.p2p.take(c.received)
         start = time.perf_counter()
-        tensor = self.p2p.take((kind, s, mb))
-        self.trace.append(TraceEvent("wait", Action(kind, s, mb), start, time.perf_counter()))
+        tensor = self.p2p.take(c.received)
+        kind = K.RECV_F if c.kind is K.F else K.RECV_B
+        self.trace.append(TraceEvent("wait", Action(kind, c.stage, c.microbatch), start, time.perf_counter()))
         return tensor
 
-    def _transfer(self, action: Action) -> tuple[object, Transfer]:
-        s, mb = action.stage, action.microbatch
-        if action.kind is K.SEND_F:
+    def _transfer(self, p: Post) -> Transfer:
+        s, mb = p.stage, p.microbatch
+        if not p.send:
+            meta = _meta(self.shapes, p.boundary, mb)
+            return Transfer(False, p.peer, p.tag, torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+        if p.forward:
             out = self.outputs[(s, mb)] if self.keep else self.outputs.pop((s, mb))
-            tensor = self._checked(wire_tensor(out), s, mb, "output")
-            return action, Transfer(True, self.owner[s + 1], _tag(s, mb, self.m, False), tensor)
-        if action.kind is K.SEND_B:
-            tensor = self._checked(wire_tensor(self.input_grads.pop((s, mb))), s - 1, mb, "input gradient")
-            return action, Transfer(True, self.owner[s - 1], _tag(s - 1, mb, self.m, True), tensor)
-        boundary, peer, backward = (s - 1, self.owner[s - 1], False) if action.kind is K.RECV_F else (
-            s, self.owner[s + 1], True)
-        meta = _meta(self.shapes, boundary, mb)
-        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-        return (action.kind, s, mb), Transfer(False, peer, _tag(boundary, mb, self.m, backward), buffer)
+            return Transfer(True, p.peer, p.tag, self._checked(wire_tensor(out), p.boundary, mb, "output"))
+        grad = self.input_grads.pop((s, mb))
+        return Transfer(True, p.peer, p.tag, self._checked(wire_tensor(grad), p.boundary, mb, "input gradient"))
 
     def _checked(self, tensor: torch.Tensor, boundary: int, mb: int, what: str) -> torch.Tensor:
         meta = _meta(self.shapes, boundary, mb)
@@ -259,41 +270,6 @@ class _RankRun:
                                                 ("weight grads", self.pending)) if d}
         if left:
             raise RuntimeError(f"schedule ended with work left on rank {self.rank}: {left}")
-
-
-_Step = tuple[tuple[tuple[Action, int], ...], tuple[Action, int] | None]
-
-
-@functools.lru_cache(maxsize=64)
-def _steps(schedule: Schedule, rank: int, lookahead: int) -> tuple[_Step, ...]:
-    """This rank's actions as steps: (transfers to post as one batch, then one compute), with positions.
-
-    Sends stay where the schedule puts them (right after their producer). Each receive is posted
-    `lookahead` computes before the compute that consumes it, which still waits for it: gloo moves
-    a message only once both ends have posted it (the receiver tells the sender it is ready), so a
-    receive posted just before its consumer costs a round trip between the two ranks' transport
-    threads on the critical path, while one posted a compute earlier is usually complete when
-    waited on. Waits stay where they were, so the deadlock-freedom `check` proves still holds (see
-    `p2p`). The last step (compute None) posts the sends after the last compute.
-    """
-    actions = schedule.ranks[rank]
-    computes = [(a, i) for i, a in enumerate(actions) if a.kind not in _COMM]
-    posts: list[list[tuple[Action, int]]] = [[] for _ in range(len(computes) + 1)]
-    next_compute = 0
-    for i, a in enumerate(actions):
-        if a.kind not in _COMM:
-            next_compute += 1
-        elif a.kind in (K.RECV_F, K.RECV_B):
-            posts[max(next_compute - lookahead, 0)].append((a, i))
-        else:
-            posts[next_compute].append((a, i))
-    steps = [(tuple(posts[j]), computes[j] if j < len(computes) else None) for j in range(len(computes) + 1)]
-    return tuple(step for step in steps if step[0] or step[1] is not None)
-
-
-def _tag(boundary: int, mb: int, num_microbatches: int, backward: bool) -> int:
-    """Unique per message of a step, so gloo matches receives by identity, not by posting order."""
-    return 2 * (boundary * num_microbatches + mb) + int(backward)
 
 
 def _meta(shapes: Shapes | None, boundary: int, mb: int) -> TensorMeta:
@@ -346,7 +322,9 @@ def _validate(schedule, rank, world, stages, microbatch_inputs, loss_fn, shapes,
     if stage_kwargs is not None and len(stage_kwargs) != m:
         raise ValueError(f"run_schedule: stage_kwargs has {len(stage_kwargs)} entries; pass one mapping per "
                          f"microbatch ({m}) or None")
-    for a in (a for a in schedule.ranks[rank] if a.kind in _COMM):
+    if isinstance(shapes, TensorMeta):  # one meta for every boundary
+        return
+    for a in (a for a in schedule.ranks[rank] if a.kind in COMM):
         boundary = a.stage - 1 if a.kind in (K.RECV_F, K.SEND_B) else a.stage
         try:
             meta = _meta(shapes, boundary, a.microbatch)

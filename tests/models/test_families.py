@@ -37,6 +37,9 @@ CI_CASES = {
     ("gemma2", "tp"), ("gemma2", "zigzag"), ("gemma3_text", "ulysses"), ("phi3", "tp"), ("olmo2", "tp"),
     ("granite", "pp"), ("smollm3", "ring"), ("qwen2_moe", "ep"), ("olmoe", "tp"),
     ("deepseek_v3", "zigzag"),
+    # gpt-oss: sinks split with the query heads under TP (biased experts on each rank's sequence
+    # shard), sinks following the heads under Ulysses with alternating windows.
+    ("gpt_oss", "tp"), ("gpt_oss", "ulysses"),
 }
 FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 BATCH = BatchSpec(batch=4, seq=8, documents=1)

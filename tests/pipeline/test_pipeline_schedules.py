@@ -8,6 +8,7 @@ asks for more) and the whole file still takes seconds.
 
 from __future__ import annotations
 
+import pickle
 import re
 from fractions import Fraction
 
@@ -152,6 +153,18 @@ def test_schedule_text_round_trips(shape, v):
         text = str(schedule)
         assert parse_schedule(text, schedule.num_stages, schedule.num_microbatches, schedule.name) == schedule
         assert parse_schedule(text, name=schedule.name) == schedule
+
+
+def test_cached_hash_agrees_with_equality_and_is_not_pickled():
+    """The runtime's per-call caches key on the schedule, whose hash is cached on first use: equal
+    schedules still hash equal (whichever was hashed first), unequal ones differ, and a pickled copy
+    (sent to another process, where string hashes differ) carries no stale hash."""
+    a, b = build_schedule("zb_v", 3, 4), build_schedule("zb_v", 3, 4)
+    hash(a)
+    assert a == b and hash(a) == hash(b) == hash(a)
+    assert hash(build_schedule("zb_v", 3, 5)) != hash(a) and {a: 1}[b] == 1
+    copy = pickle.loads(pickle.dumps(a))
+    assert copy == a and "_hash" not in copy.__getstate__() and hash(copy) == hash(a)
 
 
 @pytest.mark.parametrize("text", ["rank 1: F0.0", "rank 0:F0.0", "rank 0: F0.0  BW0.0", "F0.0 BW0.0", ""])
