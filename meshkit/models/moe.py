@@ -290,12 +290,18 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     activation = ClampedSwiGLU(*(float(getattr(config, f)) for f in fmt.clamped_swiglu)) if fmt.clamped_swiglu \
         else None
     shared = getattr(block, fmt.shared) if fmt.shared else None
+    if shared is not None and shared.down_proj.in_features == 0:
+        # A zero-width shared expert (DeepSeek-V3 with n_shared_experts=0, Qwen2-MoE with
+        # shared_expert_intermediate_size=0) adds exactly zero; HF builds it (and its gate) all the same,
+        # with empty weights, which FSDP2 cannot shard: the converted layer leaves them out, so its state
+        # dict lacks those zero-element keys.
+        shared = None
     n_group, topk_group = (int(getattr(config, f) or 1) for f in fmt.group_fields) if fmt.group_fields else (1, 1)
     moe = MoE(hidden, inter, num_experts, config.num_experts_per_tok, score_func=fmt.score_func,
               route_scale=float(getattr(config, fmt.scale_field)) if fmt.scale_field else 1.0,
               n_group=n_group, topk_group=topk_group, bias_in_gate=fmt.bias_in_gate,
               shared_intermediate_size=0 if shared is None else shared.down_proj.in_features,
-              shared_expert_gate=fmt.shared_gate is not None, shared_expert_name=fmt.shared or "shared_expert",
+              shared_expert_gate=fmt.shared_gate is not None and shared is not None, shared_expert_name=fmt.shared or "shared_expert",
               normalize_topk=True if norm_field is None else bool(getattr(config, norm_field)),
               router_name=fmt.router, router_bias=router_bias is not None, expert_layout=layout,
               expert_biases=biased, **({} if activation is None else {"expert_activation": activation}),
@@ -314,7 +320,7 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     if shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(moe.shared_expert, name).weight = getattr(shared, name).weight
-    if fmt.shared_gate is not None:
+    if fmt.shared_gate is not None and shared is not None:
         moe.shared_expert_gate.weight = getattr(block, fmt.shared_gate).weight
     if fmt.bias_in_gate:
         moe.gate.e_score_correction_bias = block.gate.e_score_correction_bias

@@ -145,7 +145,8 @@ def test_flops_of_mixed_stacks_match_flop_counter(name):
     assert counter.get_total_flops() == formula
 
 
-@pytest.mark.parametrize("schedule, pp, v", [("1f1b", 2, 1), ("zb_h1", 3, 1), ("interleaved_1f1b", 2, 2)])
+@pytest.mark.parametrize("schedule, pp, v", [("1f1b", 2, 1), ("zb_h1", 3, 1), ("interleaved_1f1b", 2, 2), ("zb_h2", 3, 1),
+                                           ("zb_v", 2, 2), ("dualpipe_v", 2, 2)])
 def test_pipeline_with_unequal_stages_matches_full_simulation(schedule, pp, v):
     """Stages of different weights (a dense first stage, MoE stages after it): the extended
     simulation equals the full one, step time, bubble and in-flight peaks."""

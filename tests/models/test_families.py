@@ -81,8 +81,9 @@ def test_family_under_plan(dist, kind, shape):
 # TP composed with EP on the MoE families whose attention TP splits (DeepSeek-V3's latent attention is
 # refused under tp, see the family test): TP ranks route their own sequence shard through whole experts
 # split over ep, the shared expert and its gate whole on every TP rank (gradients summed over tp).
-# Qwen2-MoE's gated shared expert and dense first block in CI; OLMoE's whole-projection q/k norm locally.
-@pytest.mark.parametrize("kind", ["qwen2_moe", pytest.param("olmoe", marks=pytest.mark.slow)])
+# Both under the slow profile: CI runs Qwen2-MoE under tp x ep in test_family_properties (MOE_CI_CASE).
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2_moe", "olmoe"])
 def test_moe_families_under_tp_and_ep(dist, kind):
     plan = "dp_shard=2,tp=2,ep=2"
     results = dist(4).run(_compare_on_rank, plan, kind, BATCH)
