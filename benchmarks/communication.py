@@ -30,12 +30,8 @@ from pathlib import Path
 import matplotlib
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import meshkit
-from benchmarks.launch import run_ranks
+from benchmarks.launch import handwritten_fsdp, meshkit_model, run_ranks, seeded_llama
 from benchmarks.report import emit, machine_line, table
 from meshkit.comm_counter import CommCounter
 
@@ -50,11 +46,6 @@ KEPT = "<!-- kept across runs -->"  # text after this line in --out is carried o
 FACTOR = {"all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "all_reduce": 1.0, "send": 1.0}  # n=2
 
 
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL))
-
-
 def _wire(counter: CommCounter) -> dict[str, float]:
     """Wire bytes this rank sent per collective kind (scalars of the loss left out)."""
     out: dict[str, float] = {}
@@ -65,8 +56,7 @@ def _wire(counter: CommCounter) -> dict[str, float]:
 
 
 def _meshkit_bytes(plan: str) -> dict[str, float]:
-    pm = meshkit.parallelize(_model(), meshkit.Plan.from_string(plan))
-    pm.check_inputs = False
+    pm = meshkit_model(MODEL, plan)
     ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with CommCounter(pm.mesh) as counter:
         pm.forward_backward(ids, ids)
@@ -74,13 +64,7 @@ def _meshkit_bytes(plan: str) -> dict[str, float]:
 
 
 def _handwritten_fsdp_bytes() -> dict[str, float]:
-    model = _model()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    fully_shard(model.model.embed_tokens, mesh=mesh)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh)
+    model, mesh = handwritten_fsdp(seeded_llama(MODEL))
     ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
     with CommCounter(mesh) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
@@ -107,7 +91,7 @@ def _cp_minimum(kind: str, act: int, red: int) -> float:
 
 def _params() -> tuple[int, int]:
     """(all parameters, the decoder blocks') element counts."""
-    m = _model()
+    m = seeded_llama(MODEL)
     return sum(p.numel() for p in m.parameters()), sum(p.numel() for p in m.model.layers.parameters())
 
 

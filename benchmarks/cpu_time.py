@@ -42,11 +42,9 @@ import matplotlib
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-import meshkit
-from benchmarks.launch import run_ranks
+from benchmarks.launch import handwritten_fsdp, meshkit_model, run_ranks, seeded_llama
 from benchmarks.report import emit, machine_line, table
 
 matplotlib.use("Agg")  # headless
@@ -58,11 +56,6 @@ MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
 BATCH, SEQ = 2, 256
 QUICK = dict(reps=5, warmup=1)
 FULL = dict(reps=15, warmup=2)
-
-
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL))
 
 
 def _ids() -> torch.Tensor:
@@ -88,26 +81,9 @@ def _meshkit_step(pm: Any, ids: torch.Tensor) -> Callable[[], float]:
     return step
 
 
-def _meshkit(plan: str) -> Any:
-    pm = meshkit.parallelize(_model(), meshkit.Plan.from_string(plan))
-    pm.check_inputs = False
-    return pm
-
-
 def _hf_tp(folder: str) -> LlamaForCausalLM:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     return LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", device_mesh=mesh, dtype=torch.float32)
-
-
-def _handwritten_fsdp() -> LlamaForCausalLM:
-    model = _model()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    fully_shard(model.model.embed_tokens, mesh=mesh)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _variants(group: str, folder: str) -> dict[str, Callable[[], float]]:
@@ -115,10 +91,10 @@ def _variants(group: str, folder: str) -> dict[str, Callable[[], float]]:
     ids = _ids()
     if group == "tp":
         return {"transformers tp_plan=auto": _hf_step(_hf_tp(folder), ids),
-                "meshkit TP+SP": _meshkit_step(_meshkit("tp=2"), ids),
-                "meshkit TP (no SP)": _meshkit_step(_meshkit("tp=2,sequence_parallel=false"), ids)}
-    return {"hand-written fully_shard": _hf_step(_handwritten_fsdp(), ids),
-            "meshkit FSDP": _meshkit_step(_meshkit("dp_shard=2"), ids)}
+                "meshkit TP+SP": _meshkit_step(meshkit_model(MODEL, "tp=2"), ids),
+                "meshkit TP (no SP)": _meshkit_step(meshkit_model(MODEL, "tp=2,sequence_parallel=false"), ids)}
+    return {"hand-written fully_shard": _hf_step(handwritten_fsdp(seeded_llama(MODEL))[0], ids),
+            "meshkit FSDP": _meshkit_step(meshkit_model(MODEL, "dp_shard=2"), ids)}
 
 
 def time_group(group: str, folder: str, reps: int, warmup: int) -> dict[str, Any]:
@@ -183,7 +159,7 @@ def profile_group(group: str, folder: str) -> dict[str, Any]:
 
 def _save_model(folder: str) -> None:
     if dist.get_rank() == 0:
-        _model().save_pretrained(folder)
+        seeded_llama(MODEL).save_pretrained(folder)
     dist.barrier()
 
 

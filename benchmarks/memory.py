@@ -113,7 +113,7 @@ def measure(plan_text: str, fused: bool) -> dict:
     elapsed = time.perf_counter() - start
     fsdp = {k: 0 for k in ("all_gather", "reduce_scatter")}
     for kind, label, nbytes in counter.events:
-        if kind in fsdp and label in ("dp_shard", "dp_shard_cp"):
+        if kind in fsdp and label == "dp_shard_cp":
             fsdp[kind] += nbytes
     return {"held": held, "peak_grads": peak_grads[0], "comm": fsdp, "seconds": elapsed,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

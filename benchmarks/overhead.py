@@ -195,11 +195,7 @@ def bytes_vs_theory(args: argparse.Namespace) -> list[str]:
     counted = run_ranks(count_step, world, spec)[0]
     measured: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     scalars, excess = [0, 0], []
-    # With cp=1 the flattened dp_shard_cp may be the dp_shard group itself; the counter then names it by
-    # the base axis. Same ranks, same traffic: report it under the FSDP axis name the theory uses.
-    alias = {"dp_shard": "dp_shard_cp"} if plan.cp == 1 else {}
-    for kind, axis, nbytes in counted["events"]:
-        axis = alias.get(axis, axis)
+    for kind, axis, nbytes in counted["events"]:  # FSDP's traffic is labelled dp_shard_cp under every plan
         if kind == "all_reduce" and nbytes <= SMALL:
             scalars[0] += 1
             scalars[1] += nbytes

@@ -83,7 +83,9 @@ class CommCounter:
     Bytes are the collective's full logical buffer (all-gather output, reduce-scatter input,
     all-reduce tensor), the unit the Playbook's volume formulas use; a ring moves (n-1)/n of it per
     rank for all-gather/reduce-scatter and 2(n-1)/n for all-reduce (see `wire_bytes`). Groups are
-    named by the mesh axis they belong to when a mesh is given (derived axes included).
+    named by the mesh axis they belong to when a mesh is given (derived axes included); FSDP's
+    collectives are labelled `dp_shard_cp` under every plan, also where that axis is one process group
+    with `dp_shard` or `cp` (`same_group` lists the axes a label stands for).
 
     Only collectives issued on this rank while the block runs are seen. On CPU backward runs on the
     calling thread, so its collectives count (tests/estimate/test_metrics.py); on CUDA, autograd's device
@@ -94,8 +96,18 @@ class CommCounter:
         self.stats: dict[tuple[str, str], CommStat] = defaultdict(CommStat)
         self.sizes: dict[str, int] = {}
         self.events: list[tuple[str, str, int]] = []  # (kind, axis, bytes) in issue order
-        self._groups = _axis_groups(mesh, axes) if mesh is not None else {}
+        # label -> every axis name that is that label's process group (e.g. dp_shard_cp: dp_shard_cp, dp_shard, dp)
+        self.same_group: dict[str, tuple[str, ...]] = {}
+        self._groups: dict[str, tuple[str, int]] = {}
+        if mesh is not None:
+            self._groups, self.same_group = _axis_groups(mesh, axes)
         self._mode = _make_mode(self)
+
+    def label(self, group: Any) -> str:
+        """The label collectives on `group` (a ProcessGroup or its name) are counted under, so a reader
+        can find a known group's traffic (FSDP's: `axis(mesh, "dp_shard_cp").get_group()`)."""
+        name = group if isinstance(group, str) else group.group_name
+        return self._groups.get(name, (f"group:{name}", None))[0]
 
     def _record(self, kind: str, group: str | None, size: int | None, nbytes: int) -> None:
         label, known_size = self._groups.get(group or "", (f"group:{group}", None))
@@ -125,20 +137,34 @@ class CommCounter:
         return self.stats[(kind, axis)].bytes * factor.get(kind, 1.0)
 
 
-def _axis_groups(mesh: Any, axes: tuple[str, ...]) -> dict[str, tuple[str, int]]:
-    """group_name -> (axis label, size); base axes first, so a derived axis that reuses a base
-    axis's group (dp_shard_cp when cp=1) keeps the base name."""
+# The axis FSDP shards over names its group before any other axis that is the same group: an axis
+# spanning the whole world reuses the default group, so with cp = 1 (or dp_shard = 1) `dp_shard_cp` is
+# one group with `dp_shard` (or `cp`), and FSDP's traffic, the heaviest, must carry one label under
+# every plan, the one the estimator (`meshkit.estimate.comm`) uses.
+_FIRST = ("dp_shard_cp",)
+_DERIVED = ("dp", "dp_shard_cp", "dp_cp")
+
+
+def _axis_groups(mesh: Any, axes: tuple[str, ...]) -> tuple[dict[str, tuple[str, int]], dict[str, tuple[str, ...]]]:
+    """(group_name -> (axis label, size), label -> every axis name that is the same group).
+
+    Where several axes are one process group, the label is `dp_shard_cp` when it is one of them, else
+    the first base axis (outermost first), else the first derived axis."""
+    names = list(mesh.mesh_dim_names or ()) + list(axes or _DERIVED)
+    candidates = [n for n in _FIRST if n in names] + [n for n in names if n not in _FIRST]
     groups: dict[str, tuple[str, int]] = {}
-    candidates = list(mesh.mesh_dim_names or ()) + list(axes or ("dp", "dp_shard_cp", "dp_cp"))
+    shared: dict[str, list[str]] = {}
     for name in candidates:
         try:
             group = axis(mesh, name).get_group()
         except (KeyError, RuntimeError, ValueError):
             continue
-        groups.setdefault(group.group_name, (name, group.size()))
+        label, _ = groups.setdefault(group.group_name, (name, group.size()))
+        shared.setdefault(label, []).append(name)
     if dist.is_initialized():
-        groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
-    return groups
+        label, _ = groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
+        shared.setdefault(label, []).append("world")
+    return groups, {label: tuple(same) for label, same in shared.items()}
 
 
 def _make_mode(counter: CommCounter) -> Any:

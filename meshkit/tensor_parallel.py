@@ -29,7 +29,12 @@ from torch.distributed.tensor.parallel import (
 
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
-from meshkit.tensor_parallel_local import apply_local_block, apply_local_norm, block_runs_local
+from meshkit.tensor_parallel_local import (
+    apply_head_params,
+    apply_local_block,
+    apply_local_norm,
+    block_runs_local,
+)
 from meshkit.tensor_parallel_rows import apply_selected_rows
 
 
@@ -127,6 +132,7 @@ def apply_tensor_parallel(
             parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
             for name in roles_lib.outputs_edited_in_place(kept, parts.config):
                 block.get_submodule(name).register_forward_hook(_own_output)
+        apply_head_params(block, roles_lib.head_params(block, parts.config), tp_mesh)
     if sequence_parallel and local:
         apply_local_norm(parts.norm, tp_mesh)
     elif sequence_parallel:

@@ -207,3 +207,24 @@ def apply_local_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
     """The final norm on the sequence shard (SP), on local tensors."""
     _distribute(norm, mesh, lambda _: Replicate())
     _run_on_local_params(norm, (Partial(),))
+
+
+def apply_head_params(block: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Split the attention's own per-head parameters (gpt-oss's `sinks`) with the query heads.
+
+    Rank r computes query heads [r*H/tp, (r+1)*H/tp), so it holds exactly those heads' entries
+    (Shard(0)); meshkit's attention function takes the local shard (`to_local`, whose backward
+    hands the shard's gradient back as Shard(0): each head lives on one tp rank). Applied after the
+    block's styles, whichever path runs the block (also under torch.compile: nothing is swapped).
+    """
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(owner, []).append(leaf)
+    for owner, leaves in owners.items():
+        module = block.get_submodule(owner)
+        for leaf in leaves:
+            param = module._parameters[leaf]
+            dt = distribute_tensor(param.data, mesh, [Shard(0)])
+            module.register_parameter(leaf, nn.Parameter(dt, requires_grad=param.requires_grad))
+

@@ -204,6 +204,9 @@ def train(run: RunConfig) -> dict[str, float]:
         timeout = heartbeat.collective_timeout_s()
         print(f"meshkit: collective timeout {'unknown' if timeout is None else f'{timeout:.0f} s'}, heartbeat "
               f"{f'{cfg.heartbeat_s:g} s' if beat is not None else 'off'}", flush=True)
+        restart_warning = preflight.restart_store_warning()
+        if restart_warning:
+            print(restart_warning, flush=True)
     try:
         return _train(run, model_config, ckpt_dir, load_weights, beat)
     finally:

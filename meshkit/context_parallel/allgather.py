@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshkit._compat import all_gather_single, reduce_scatter_single
 from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import acc_dtype, attention_backward, attention_forward, default_scale
-from meshkit.context_parallel.ring import merge_
+from meshkit.context_parallel.ring import add_sinks_, check_sinks, merge_, sink_grad
 from meshkit.context_parallel.sharding import shard_indices
 
 
@@ -86,7 +86,7 @@ def _docs(doc_full_BS, doc_BS, q: slice, k: slice):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, causal, scale, doc_BS, backend, grad_dtype):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, causal, scale, doc_BS, backend, grad_dtype, sinks_H):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         S_l = q_BHSD.shape[2]
         perm = _global_order(S_l, cp, q_BHSD.device)
@@ -114,9 +114,11 @@ class _AllGatherAttention(torch.autograd.Function):
             merge_(out_BHSD[:, :, qs], lse_BHS[:, :, qs], o_i, lse_i)
         if kv_full is None:
             kv_full = _in_order(kv_pending, kv.shape, cp, perm, 3)
+        lse_BHS = add_sinks_(out_BHSD, lse_BHS, sinks_H)  # as in ring.py: once, after every block
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, kv_full, out, lse_BHS)
         ctx.opts = (group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype)
+        ctx.sinks = sinks_H
         return out
 
     @staticmethod
@@ -146,7 +148,7 @@ class _AllGatherAttention(torch.autograd.Function):
         reduce_scatter_single(recv, send.flatten(0, 1), group)
         return (
             dq_BHSD.to(q_BHSD.dtype), recv[0].to(kv_full.dtype), recv[1].to(kv_full.dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS),
         )
 
 
@@ -162,12 +164,14 @@ def allgather_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the local query shard against the whole sequence's K/V, gathered; returns local out.
 
     Inputs are this rank's zig-zag shard (`sharding.shard(..., "zigzag", ...)`), K/V with their own
     GQA head count, never repeated. grad_dtype: the dtype dK/dV travel in (None: fp32, the
-    accumulator's); the owner sums in fp32 either way.
+    accumulator's); the owner sums in fp32 either way. sinks_H: per-head attention sinks (gpt-oss),
+    added after the merge as in `ring_attention`.
     """
     if dropout_p:
         raise ValueError(
@@ -189,4 +193,6 @@ def allgather_attention(
     scale = default_scale(q_BHSD.shape[-1]) if scale is None else float(scale)
     if doc_ids_BS is not None:
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
-    return _AllGatherAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, causal, scale, doc_ids_BS, backend, grad_dtype)
+    check_sinks(sinks_H, q_BHSD)
+    return _AllGatherAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, causal, scale, doc_ids_BS, backend, grad_dtype,
+                                     sinks_H)

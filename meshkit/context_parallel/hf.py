@@ -12,7 +12,9 @@ by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
 
 HF's own per-layer keywords are honoured too: `sliding_window`, `softcap` (attention-logit
 soft-capping) and `s_aux` (attention sinks) route the layer through `masked.quirk_attention`, on one
-rank or under Ulysses; the ring kinds refuse them (`Plan.validate` already did, naming the fix).
+rank or under Ulysses. The kinds that merge blocks by log-sum-exp (ring, zig-zag, all-gather, USP)
+apply sinks after their merge (`ring.add_sinks_`) and refuse windows shorter than the sequence and
+soft-capping (`Plan.validate` already did, naming the fix).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from meshkit.context_parallel.allgather import allgather_attention
 from meshkit.context_parallel.group import as_group
@@ -54,22 +57,29 @@ class ContextParallelAttention:
 
     def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None,
                  quirks: dict | None = None) -> torch.Tensor:
+        sinks_H = None
+        if quirks and self.kind not in (None, "ulysses") and not quirks.get("sliding_window") \
+                and not quirks.get("softcap"):
+            # sinks alone: one term in the merged denominator, which the merging kinds add after
+            # their last block (ring.add_sinks_), on the fused kernels
+            sinks_H, quirks = quirks.get("sinks_H"), None
         if quirks:
             return self._with_quirks(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks)
         if self.kind in ("ring", "zigzag"):
             return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
                                   scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype,
-                                  keep_kv=self.keep_kv)
+                                  keep_kv=self.keep_kv, sinks_H=sinks_H)
         if self.kind == "allgather" and self.ulysses_group is None:
             return allgather_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
-                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype)
+                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype, sinks_H=sinks_H)
         if self.kind == "ulysses":
             return ulysses_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
                                      doc_ids_BS=doc_ids_BS)
         if self.kind in ("usp", "allgather"):
             return usp_attention(q_BHSD, k_BHSD, v_BHSD, self.ulysses_group, self.ring_group, causal=True,
                                  layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS,
-                                 outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype)
+                                 outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype,
+                                 sinks_H=sinks_H)
         if k_BHSD.shape[2] != q_BHSD.shape[2]:
             return _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
         if doc_ids_BS is not None:
@@ -93,7 +103,8 @@ class ContextParallelAttention:
         sinks_H = quirks.get("sinks_H")
         if sinks_H is not None and sinks_H.shape[0] != q_BHSD.shape[1]:
             raise ValueError(f"attention sinks for {sinks_H.shape[0]} heads but {q_BHSD.shape[1]} local query heads: "
-                             "meshkit does not split sinks over tp; fix: tp=1 for this model")
+                             "the sinks must be split over tp with the query heads (tensor_parallel_local."
+                             "apply_head_params does it for the attention module's per-head parameters)")
         if self.kind is None:
             return quirk_attention(q_BHSD, k_BHSD, v_BHSD, scale=scale, doc_ids_BS=doc_ids_BS, **quirks)
         if self.kind != "ulysses":
@@ -135,6 +146,8 @@ def meshkit_attention(module, query, key, value, attention_mask, dropout: float 
     split = kwargs.get(CONTEXT_PARALLEL_KWARG) or ContextParallelAttention()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if isinstance(sinks, DTensor):  # split with the query heads under tp: this rank's heads' sinks
+        sinks = sinks.to_local()
     if window and window >= split.full_length(key.shape[2]):
         window = None  # every key is inside the window: plain causal attention
     quirks = None

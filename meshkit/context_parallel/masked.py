@@ -13,8 +13,10 @@ eager attention define them:
 
 The scores are explicit ([B, H, S, S] per call) and differentiated by plain autograd: exact, but
 memory grows with S^2, unlike the fused kernels the plain causal path uses. Under context
-parallelism only Ulysses runs it (each rank sees whole sequences for a slice of heads); the ring
-kinds merge blocks by log-sum-exp, which `window_cp_problem` refuses for these models.
+parallelism Ulysses runs it (each rank sees whole sequences for a slice of heads, and their sinks);
+the ring kinds merge blocks by log-sum-exp, so `llama.check_config` refuses them for windows shorter
+than the sequence and soft-capping, while sinks alone (one term in the merged denominator) run in
+every merging kind on the fused kernels (`ring.add_sinks_`).
 """
 
 from __future__ import annotations

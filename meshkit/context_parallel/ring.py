@@ -35,6 +35,13 @@ Which blocks are computed, and how, is decided by `ring_schedule` alone, which t
   the same number of scores at every step.
 * non-causal: every block is full.
 
+Attention sinks (gpt-oss: one learned logit per head in every row's softmax denominator, no value)
+enter once, after the last merge: lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse'). That
+is exactly attention over the keys plus a sink column with a zero value, so backward needs nothing
+new: every block differentiated against out' and lse' gets P' = exp(S - lse'), the true
+probabilities, and D = rowsum(dO * out'), the true row term; the sink's own gradient is
+-sum over rows of exp(sink - lse') * D.
+
 Document masks (packed sequences) are applied on top of this plan: every rank learns every rank's
 document ids once per call (one small all-gather of int ids, not K/V), and each block adds the
 block-diagonal mask for its (query, key) pair.
@@ -168,7 +175,8 @@ def _gather_docs(doc_BS: torch.Tensor | None, group: dist.ProcessGroup, size: in
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend, grad_dtype, keep_kv):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend, grad_dtype, keep_kv,
+                sinks_H):
         ring = _Ring(group)
         plan = ring_schedule(layout, causal, ring.size, ring.rank)
         docs = _gather_docs(doc_BS, group, ring.size)
@@ -191,9 +199,11 @@ class _RingAttention(torch.autograd.Function):
                 merge_(_half(out_BHSD, blk.q_half, 2), _half(lse_BHS, blk.q_half, 2), o_i, lse_i)
             if pending is not None:
                 kv = ring.wait(pending)
+        lse_BHS = add_sinks_(out_BHSD, lse_BHS, sinks_H)
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out, lse_BHS, *received)
         ctx.opts = (group, plan, scale, backend, docs, doc_BS, grad_dtype, keep_kv)
+        ctx.sinks = sinks_H
         return out
 
     @staticmethod
@@ -206,10 +216,11 @@ class _RingAttention(torch.autograd.Function):
         wire = grad_dtype or acc  # dK/dV travel in the reduce dtype; every rank adds in fp32
         dq_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         kv = torch.stack([k_BHSD, v_BHSD])
+        dsinks_H = sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS)
         if keep_kv:
             dq, dkv = _backward_kept(ring, plan, [kv, *received], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD,
                                      scale, backend, docs, doc_BS, wire)
-            return dq.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype), *([None] * 8)
+            return dq.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype), *([None] * 8), dsinks_H
         dkv_pending = None
         for step, blk in enumerate(plan):
             kv_pending = ring.post(kv, _KV_TAG) if step < ring.size - 1 else None
@@ -228,8 +239,37 @@ class _RingAttention(torch.autograd.Function):
         dkv = own if dkv_pending is None else ring.wait(dkv_pending)
         return (
             dq_BHSD.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype),
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, dsinks_H,
         )
+
+
+def add_sinks_(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor | None) -> torch.Tensor:
+    """After the last merge: the sink's exp joins every row's denominator once; `out_BHSD` (fp32
+    accumulator) is rescaled in place and the row lse including the sink is returned. No-op (the
+    same lse) without sinks. Shared by every kind that merges blocks by log-sum-exp."""
+    if sinks_H is None:
+        return lse_BHS
+    with_sink_BHS = torch.logaddexp(lse_BHS, sinks_H.to(lse_BHS.dtype).view(1, -1, 1))
+    out_BHSD.mul_(torch.exp(lse_BHS - with_sink_BHS).unsqueeze(-1))
+    return with_sink_BHS
+
+
+def check_sinks(sinks_H: torch.Tensor | None, q_BHSD: torch.Tensor) -> None:
+    """One sink per local query head, or a ValueError naming the shapes."""
+    if sinks_H is not None and tuple(sinks_H.shape) != (q_BHSD.shape[1],):
+        raise ValueError(f"sinks_H has shape {tuple(sinks_H.shape)}; one logit per local query head: "
+                         f"({q_BHSD.shape[1]},)")
+
+
+def sink_grad(sinks_H, dout_BHSD, out_BHSD, lse_BHS):
+    """d loss / d sink_h = -sum over rows of p_sink * rowsum(dO * out'), p_sink = exp(sink - lse'):
+    the softmax gradient of the sink's column, whose value is zero. None without sinks."""
+    if sinks_H is None or not sinks_H.requires_grad:
+        return None
+    acc = lse_BHS.dtype
+    rows_BHS = (dout_BHSD.to(acc) * out_BHSD.to(acc)).sum(-1)
+    p_sink_BHS = torch.exp(sinks_H.to(acc).view(1, -1, 1) - lse_BHS)
+    return -(p_sink_BHS * rows_BHS).sum(dim=(0, 2)).to(sinks_H.dtype)
 
 
 def _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, docs, doc_BS, acc):
@@ -297,6 +337,7 @@ def ring_attention(
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
     keep_kv: bool = False,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the local query shard against the whole (sharded) sequence; returns local out.
 
@@ -306,6 +347,8 @@ def ring_attention(
     buffers are sent in (None: fp32; bf16 halves the backward's gradient bytes); each rank still adds
     its block's share in fp32. keep_kv: keep the received K/V blocks for backward (no K/V resent,
     dK/dV sent straight to their owners: the all-gather kind's bytes, (cp-1) more K/V shards held).
+    sinks_H: one logit per local query head in every row's softmax denominator (gpt-oss), or None;
+    differentiable.
     """
     if dropout_p:
         raise ValueError(
@@ -329,5 +372,6 @@ def ring_attention(
     scale = default_scale(q_BHSD.shape[-1]) if scale is None else float(scale)
     if doc_ids_BS is not None:
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
+    check_sinks(sinks_H, q_BHSD)
     return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, layout, causal, scale, doc_ids_BS, backend,
-                                grad_dtype, bool(keep_kv))
+                                grad_dtype, bool(keep_kv), sinks_H)

@@ -59,11 +59,13 @@ def usp_attention(
     backend: str = "auto",
     outer: str = "ring",
     grad_dtype: torch.dtype | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local out shard of 2D (Ulysses x ring) attention; inputs sharded with `ulysses=U`.
 
     outer: "ring" (zig-zag ring over the outer ranks) or "allgather" (K/V gathered over them).
-    grad_dtype: the dtype the outer kind sends dK/dV in (None: fp32).
+    grad_dtype: the dtype the outer kind sends dK/dV in (None: fp32). sinks_H: per-head attention
+    sinks of the local query heads; after the all-to-all each rank keeps its heads' sinks.
     """
     if outer not in ("ring", "allgather"):
         raise ValueError(f"outer={outer!r}: USP's outer kind is 'ring' or 'allgather'")
@@ -77,10 +79,14 @@ def usp_attention(
     inner, outer_group = as_group(ulysses_group), as_group(ring_group)
     q_h, k_h, v_h = scatter_heads(q_BHSD, k_BHSD, v_BHSD, inner)
     docs = gather_seq(doc_ids_BS, inner)
+    if sinks_H is not None:  # the heads this rank holds after the all-to-all, and their sinks
+        heads = q_h.shape[1]
+        start = dist.get_rank(inner) * heads
+        sinks_H = sinks_H[start:start + heads]
     if outer == "allgather":
         out_h = allgather_attention(q_h, k_h, v_h, outer_group, causal=causal, scale=scale, doc_ids_BS=docs,
-                                    backend=backend, grad_dtype=grad_dtype)
+                                    backend=backend, grad_dtype=grad_dtype, sinks_H=sinks_H)
     else:
         out_h = ring_attention(q_h, k_h, v_h, outer_group, causal=causal, layout=layout, scale=scale,
-                               doc_ids_BS=docs, backend=backend, grad_dtype=grad_dtype)
+                               doc_ids_BS=docs, backend=backend, grad_dtype=grad_dtype, sinks_H=sinks_H)
     return heads_to_seq(out_h, inner)

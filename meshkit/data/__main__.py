@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text file pattern inside directories (repeatable; default *.txt *.md *.py)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="non-UTF-8 bytes: an error naming file and offset, or U+FFFD")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="most tokenizing processes (one per 8 MB of input at most: below that, start-up costs more than it saves)")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="most tokenizing processes (one per MiB of input at most: below that, start-up costs more than it saves)")
     p.add_argument("--seed", type=int, default=0, help="seed of the --val-fraction choice")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     info = sub.add_parser("info", help="describe a token store (and check its checksums)")

@@ -181,9 +181,9 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
     text_bytes = sum(f.stat().st_size for inputs in (found, val_found) if inputs for f in inputs.files())
     processes = tokenizing_processes(workers, text_bytes)
     if processes < workers and progress:
-        print(f"prepare: {text_bytes / 2**20:.1f} MB of input: tokenizing in {processes} process"
+        print(f"prepare: {text_bytes / 2**20:.1f} MiB of input: tokenizing in {processes} process"
               f"{'es' if processes > 1 else ''}, not {workers} (starting one costs more than its share of "
-              f"under {BYTES_PER_PROCESS / 2**20:.0f} MB saves; the tokenizer's own threads still run)",
+              f"under {BYTES_PER_PROCESS / 2**20:.0f} MiB saves; the tokenizer's own threads still run)",
               file=sys.stderr, flush=True)
     if processes > 1:  # one process per worker; Rust threads inside each would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -219,20 +219,19 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
         source=source.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-# Input per tokenizing process below which one more process costs more than it saves. Provisional:
-# derived from the 0.8 MB measurement in benchmarks/results/data.md (two processes at 0.32x of one on
-# a loaded 2-core machine), not yet measured at scale (`python -m benchmarks.data` on a larger corpus).
-BYTES_PER_PROCESS = 8 * 2**20
+# Input per tokenizing process below which one more process costs more than it saves, measured by
+# `python -m benchmarks.data --scaling` (benchmarks/results/data_scaling.md).
+BYTES_PER_PROCESS = 2**20
 
 
 def tokenizing_processes(workers: int, text_bytes: int) -> int:
     """How many of `workers` processes to tokenize `text_bytes` of input with.
 
-    Each process `datasets.map` starts re-imports the libraries and unpickles the tokenizer, seconds
-    on a loaded machine, while one process tokenizes about a megabyte a second: on the 0.8 MB stdlib
-    sample two processes ran at 0.32x of one. So each process gets at least BYTES_PER_PROCESS of
-    input; below that the work stays in this process, where `encode_batch` uses the tokenizer's own
-    Rust threads.
+    Each process `datasets.map` starts re-imports the libraries and unpickles the tokenizer (about a
+    second), while one process tokenizes roughly a megabyte a second. Measured on 2 quiet cores
+    (benchmarks/results/data_scaling.md), a second process was 1.09x one at 1 MB of stdlib source,
+    0.71x at 0.3 MB and 1.43-1.55x from 4 to 30 MB; so each process gets at least BYTES_PER_PROCESS
+    (1 MiB) of input, and below that the work stays in this process.
     """
     return max(1, min(workers, text_bytes // BYTES_PER_PROCESS))
 

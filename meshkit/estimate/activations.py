@@ -98,8 +98,9 @@ def build_block(config_json: str, tp: int, vocab: int | None, dtype: str) -> tup
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
     llama.check_supported(model)
     pin_attention(model)
-    if moe_spec(cfg) is not None:  # routing is data-dependent: estimate.moe measures the MoE layer itself
-        for block in llama.parts(model).blocks:
+    spec = moe_spec(cfg)  # routing is data-dependent: estimate.moe measures the MoE layer itself
+    for i, block in enumerate(llama.parts(model).blocks):
+        if spec is not None and i in spec.layers:
             block.mlp = nn.Identity()
     mode = fake_tensor_mode()
     with mode:
@@ -200,7 +201,8 @@ def trace_head(config: Any, seq: int, tp: int = 1, loss_parallel: bool = True, d
 def _check_tp(config: Any, tp: int) -> None:
     heads, kv, _ = llama.attention_dims(config)
     dims = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
-    if moe_spec(config) is None:  # experts are never split by TP
+    spec = moe_spec(config)
+    if spec is None or len(spec.layers) < config.num_hidden_layers:  # experts are never split by TP
         dims.append(("intermediate_size", config.intermediate_size))
     for name, value in dims:
         if value % tp:

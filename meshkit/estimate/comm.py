@@ -16,7 +16,7 @@ from meshkit.estimate import moe
 from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.mesh import AXES
-from meshkit.models import llama
+from meshkit.models import roles
 from meshkit.plan import Plan
 
 
@@ -97,14 +97,24 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
         units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
     ends = stage_ranks(plan)
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
-    out = [FsdpUnit("block", state.blocks, units["block"], fsdp, "dp_shard_cp", reshard),
-           FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
+    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
+    mixed = len(set(moe.block_kinds(config))) > 1
+    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard)
+              for b in state.block_units]
+    out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
     if copies == 2:
         out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard))
     out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False))
-    if moe.require_supported(config) is not None:
-        out.append(FsdpUnit("expert", state.blocks, units["expert"], fsdp // plan.ep, "ep_fsdp", reshard))
+    out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard)
+            for b in state.block_units if b.kind == "moe"]
     return [u for u in out if u.count]
+
+
+_BLOCK_NAMES = {"dense": "dense block", "moe": "MoE block"}
+
+
+def _is_block(unit_name: str) -> bool:
+    return unit_name.endswith("block")
 
 
 def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
@@ -120,7 +130,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
     before the MLP's reduce-scatter).
     """
-    heads, kv, d = llama.attention_dims(config)
+    heads, kv, d = roles.kernel_dims(config)  # what CP moves (MLA: padded to one head dim)
     h, act = config.hidden_size, dtype_bytes(plan.param_dtype)
     m, mbs, seq = workload.microbatches, workload.mbs, workload.seq // plan.cp
     ac, blocks, out = plan.activation_checkpointing, state.blocks, []
@@ -135,7 +145,9 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         exposed = c.time(lat) if hidden_by is None else calls * max(0.0, per_call - hidden_by)
         out.append(dataclasses.replace(c, exposed=exposed))
 
-    experts = moe.require_supported(config)
+    experts = moe.model_experts(config)
+    kind_blocks = {b.kind: b.count for b in state.block_units}
+    moe_blocks, dense_blocks = kind_blocks.get("moe", 0), kind_blocks.get("dense", 0)
     fsdp_applied = plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32" or \
         plan.offload != "none"
     # Sums meshkit issues on gradient shards (MoE weights over tp, tied copies over pp) run per call,
@@ -145,20 +157,20 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         t, bsh = plan.tp, mbs * seq * h * act
         first, last_stage = state.unit_elements["embed"] > 0, state.unit_elements["head"] > 0
         edges = int(first) + int(last_stage)  # embedding output and LM-head input cross the SP boundary
-        if plan.sequence_parallel and experts is not None:
-            # An MoE block's MLP half routes the rank's own sequence shard: only attention gathers.
-            # Under TP every AC mode but none is full AC for MoE blocks: recompute re-runs attention's pair.
-            rec = int(ac != "none")
-            add("tp", "all_gather", "SP: attention inputs (fwd), RS conjugate (bwd), recompute",
-                m * (blocks * (2 + rec) + edges), bsh, t, None)
-            add("tp", "reduce_scatter", "SP: o outputs (fwd), AG conjugate (bwd), recompute",
-                m * (blocks * (2 + rec) + edges), bsh, t, None)
-        elif plan.sequence_parallel:
+        if plan.sequence_parallel:
+            # A dense block gathers before attention and MLP; an MoE block's MLP half routes the rank's
+            # own sequence shard, so only attention gathers, and under TP every AC mode but none is
+            # full AC for it: recompute re-runs attention's pair. A mixed stack sums both kinds.
             rec_ag, rec_rs = {"none": (0, 0), "selective": (2, 0), "full": (2, 1)}[ac]
-            add("tp", "all_gather", "SP: attention/MLP inputs (fwd), RS conjugates (bwd), recompute",
-                m * (blocks * (4 + rec_ag) + edges), bsh, t, None)
-            add("tp", "reduce_scatter", "SP: o/down outputs (fwd), AG conjugates (bwd), recompute",
-                m * (blocks * (4 + rec_rs) + edges), bsh, t, None)
+            moe_rec = int(ac != "none")
+            what = {(True, False): ("attention/MLP inputs", "o/down outputs", "conjugates"),
+                    (False, True): ("attention inputs", "o outputs", "conjugate")}.get(
+                (dense_blocks > 0, moe_blocks > 0), ("attention (+MLP in dense blocks) inputs",
+                                                     "o (+down in dense blocks) outputs", "conjugates"))
+            add("tp", "all_gather", f"SP: {what[0]} (fwd), RS {what[2]} (bwd), recompute",
+                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec) + edges), bsh, t, None)
+            add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
+                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec) + edges), bsh, t, None)
         if plan.sequence_parallel:
             # replicated norm weights see a sequence shard: their gradients are reduced once per call
             add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
@@ -186,15 +198,15 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         dense = [u for u in fsdp_units(config, plan, state) if u.axis == "dp_shard_cp"]
         t_bwd = 2 * t_block_fwd + t_block_rec
         red = dtype_bytes(plan.reduce_dtype)
-        hides = {"block": t_block_fwd, "embed": None, "head": t_block_fwd}
+        hides = {"embed": None, "head": t_block_fwd}
         for u in dense if fsdp > 1 else []:
             add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters (fwd)", gathers * u.count,
-                u.elements * act, fsdp, hides[u.name])
+                u.elements * act, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
             if u.regather:
                 add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
                     u.elements * act, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
-                u.elements * red, fsdp, t_bwd / 2 if u.name == "block" else None)
+                u.elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
             count = sum(u.count for u in dense)
             total = sum(u.elements * u.count for u in dense)
@@ -202,15 +214,15 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 rep, t_bwd)
         if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
             shards, unit = fsdp // plan.ep, state.unit_elements["expert"]
-            add("ep_fsdp", "all_gather", "FSDP: expert parameters (fwd)", gathers * blocks, unit * act, shards,
+            add("ep_fsdp", "all_gather", "FSDP: expert parameters (fwd)", gathers * moe_blocks, unit * act, shards,
                 t_block_fwd)
             if plan.fsdp_reshard:
-                add("ep_fsdp", "all_gather", "FSDP: expert parameters again (bwd)", gathers * blocks, unit * act,
+                add("ep_fsdp", "all_gather", "FSDP: expert parameters again (bwd)", gathers * moe_blocks, unit * act,
                     shards, t_bwd / 2)
-            add("ep_fsdp", "reduce_scatter", f"FSDP: expert gradients ({plan.reduce_dtype})", syncs * blocks,
+            add("ep_fsdp", "reduce_scatter", f"FSDP: expert gradients ({plan.reduce_dtype})", syncs * moe_blocks,
                 unit * red, shards, t_bwd / 2)
-            add("dp_replicate", "all_reduce", "HSDP: expert gradient shards", syncs * blocks, unit * red / shards,
-                rep, t_bwd)
+            add("dp_replicate", "all_reduce", "HSDP: expert gradient shards", syncs * moe_blocks,
+                unit * red / shards, rep, t_bwd)
 
     if plan.cp > 1:
         kind = getattr(plan, "cp_attention", "zigzag")
@@ -251,14 +263,14 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         opts = moe.layer_options(config)
         tokens = mbs * seq // (plan.tp if plan.sequence_parallel else 1)  # each TP rank routes its shard
         if plan.ep > 1:
-            add("ep", "all_to_all", "MoE: tokens per expert (fwd, int64)", m * blocks, experts.num_experts * 8,
+            add("ep", "all_to_all", "MoE: tokens per expert (fwd, int64)", m * moe_blocks, experts.num_experts * 8,
                 plan.ep, None)
             # dispatch and combine, forward and backward, and again in recompute (routing is replayed, not
             # re-planned). Under uniform routing every rank sends and receives T*K rows each way.
             add("ep", "all_to_all", "MoE: token rows to experts and back (fwd, bwd, recompute)",
-                m * blocks * (4 + 2 * int(ac != "none")), tokens * experts.top_k * h * act, plan.ep, None)
+                m * moe_blocks * (4 + 2 * int(ac != "none")), tokens * experts.top_k * h * act, plan.ep, None)
         if opts["aux_loss_coef"] or opts["z_loss_coef"] or opts["keep_router_stats"]:
-            add("dp_cp_tp", "all_reduce", "MoE: router load counts for the balancing loss", m * blocks,
+            add("dp_cp_tp", "all_reduce", "MoE: router load counts for the balancing loss", m * moe_blocks,
                 (experts.num_experts + 1) * 4, plan.dp * plan.cp * plan.tp, None)
 
     if plan.pp > 1:

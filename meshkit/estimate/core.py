@@ -38,18 +38,51 @@ from meshkit.estimate.offload import OffloadCost, offload_cost
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama, roles
-from meshkit.models.moe import moe_spec
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.pipeline.simulate import Costs, simulate
+from meshkit.pipeline.split import split_layers
 from meshkit.plan import Plan
 
 # ---------------------------------------------------------------------------------- the estimate
 
 
+@dataclass(frozen=True)
+class StageCosts(Costs):
+    """Costs scaled per stage: stage s's F, B and W take `weights[s]` times the base costs, for a
+    stack whose stages hold different block kinds (a dense stage computes less than an MoE one)."""
+
+    weights: tuple[Fraction, ...] = ()
+
+    def duration(self, action: Any) -> Fraction:
+        """The base cost of the action's kind, times its stage's weight."""
+        return super().duration(action) * self.weights[action.stage]
+
+
 @functools.lru_cache(maxsize=128)
-def _simulate(schedule: str, pp: int, m: int, v: int, recompute: Fraction) -> Any:
-    """meshkit's pipeline simulator in units of one stage forward (B = F + recompute, W = F)."""
-    return simulate(build_schedule(schedule, pp, m, v), Costs(1, 1 + recompute, 1))
+def _simulate(schedule: str, pp: int, m: int, v: int, recompute: Fraction,
+              weights: tuple[Fraction, ...] | None = None) -> Any:
+    """meshkit's pipeline simulator in units of one stage forward (B = F + recompute, W = F), every
+    stage alike or, with `weights`, each stage's costs scaled by its weight."""
+    costs = Costs(1, 1 + recompute, 1) if weights is None else StageCosts(1, 1 + recompute, 1, weights=weights)
+    return simulate(build_schedule(schedule, pp, m, v), costs)
+
+
+def stage_weights(config: Any, plan: Plan, seq: int) -> tuple[Fraction, ...] | None:
+    """Each pipeline stage's forward FLOPs over the mean stage's, when the stack mixes dense and MoE
+    blocks (None: the stages' blocks are all of one kind and the split balances them as it is).
+
+    Why: DeepSeek-V3's first dense blocks or Qwen2-MoE's `mlp_only_layers` make the stages that hold
+    them lighter, and the slowest stage paces a pipeline; the simulator gets every stage's own cost.
+    Recompute is taken proportional to a stage's forward."""
+    if len(set(moe.block_kinds(config))) == 1:
+        return None
+    heads, d_qk, d_v = roles.score_value_dims(config)
+    cost = [2 * metrics.active_block_params(config, i) + 2 * heads * (d_qk + d_v) * seq
+            for i in range(config.num_hidden_layers)]
+    ranges = split_layers(config.num_hidden_layers, plan.pp * plan.pp_stages_per_rank, list(plan.pp_split) or None)
+    per_stage = [sum(cost[i] for i in r) for r in ranges]
+    mean = Fraction(sum(per_stage), len(per_stage))
+    return tuple((c / mean).limit_denominator(64) for c in per_stage)
 
 
 @dataclass(frozen=True)
@@ -66,19 +99,31 @@ class PipelineTiming:
 _STEADY = ("1f1b", "zb_h1", "interleaved_1f1b", "zb_h2", "zb_v", "dualpipe_v")
 
 
-def pipeline_timing(schedule: str, pp: int, m: int, v: int, recompute: Fraction) -> PipelineTiming:
+def pipeline_timing(schedule: str, pp: int, m: int, v: int, recompute: Fraction,
+                    weights: tuple[Fraction, ...] | None = None) -> PipelineTiming:
     """The simulator's timing of one call, simulated at most ~4 rounds of pp microbatches deep.
 
     Replaying 128 microbatches costs a second in exact arithmetic and a search asks for hundreds of
     shapes; for the steady-state schedules the makespan beyond 4*pp microbatches grows by exactly
     v*(F+B+W) per microbatch (tests compare against full simulations), so longer calls extend a
-    shorter simulation rather than replaying it.
+    shorter simulation rather than replaying it. With per-stage `weights` (`stage_weights`) the
+    growth per microbatch is the one measured between that simulation and one pp microbatches
+    deeper (the slowest rank's work per microbatch once the steady state is reached).
     """
     cap = m % pp + 4 * pp  # keeps interleaving's grouping (first group pp + m % pp, then groups of pp)
     m_sim = cap if schedule in _STEADY and m > cap else m
-    sim = _simulate(schedule, pp, m_sim, v, recompute)
-    step = sim.step_time + (m - m_sim) * v * (3 + recompute)
-    idle = sum(sim.idle, Fraction(0))
+    sim = _simulate(schedule, pp, m_sim, v, recompute, weights)
+    if weights is None:
+        per_microbatch = Fraction(v * (3 + recompute))
+    elif m > m_sim:
+        deeper = _simulate(schedule, pp, m_sim + pp, v, recompute, weights)
+        per_microbatch = (deeper.step_time - sim.step_time) / pp
+    else:
+        per_microbatch = Fraction(0)
+    step = sim.step_time + (m - m_sim) * per_microbatch
+    # Each further microbatch adds every stage's work; what the makespan grows beyond it is idle.
+    work = (3 + recompute) * (sum(weights, Fraction(0)) if weights is not None else pp * v)
+    idle = step * pp - (sum(sim.busy, Fraction(0)) + (m - m_sim) * work)
     return PipelineTiming(step, idle / (step * pp), sim.peak_activations)
 
 
@@ -125,7 +170,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     plan = plan.resolve(world)
     if plan.world_size != world:
         raise ValueError(f"the plan needs {plan.world_size} ranks, not world={world}")
-    spec = moe.require_supported(config)
+    spec = moe.model_experts(config)
     if plan.ep > 1 and spec is None:
         raise ValueError(f"ep={plan.ep}: the model is dense, with no experts to shard; fix: ep=1")
     if spec is not None and expert_split_problem(plan.ep, spec.num_experts):
@@ -134,7 +179,11 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
                                     moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
     share = workload.mbs * workload.seq / (plan.tp * plan.cp) / (device.peak_flops * workload.mfu)
     heads, d_qk, d_v = roles.score_value_dims(config)
-    t_layer_fwd = (2 * metrics.active_block_params(config) + 2 * heads * (d_qk + d_v) * workload.seq) * share
+    # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block
+    # transfer (FSDP's gather of the next block) can hide behind.
+    layers = config.num_hidden_layers
+    mean_active = sum(metrics.active_block_params(config, i) for i in range(layers)) / layers
+    t_layer_fwd = (2 * mean_active + 2 * heads * (d_qk + d_v) * workload.seq) * share
     t_layer_rec = flops.recompute * share / config.num_hidden_layers
     t_stage_fwd = flops.model / 3 * share / plan.pp
     t_stage_rec = flops.recompute * share / plan.pp
@@ -149,7 +198,8 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
                              f"pp_microbatches={plan.microbatches}")
         v = plan.pp_stages_per_rank
         recompute = Fraction(t_stage_rec / t_stage_fwd).limit_denominator(8) if t_stage_fwd else Fraction(0)
-        sim = pipeline_timing(plan.pp_schedule, plan.pp, plan.microbatches, v, recompute)
+        sim = pipeline_timing(plan.pp_schedule, plan.pp, plan.microbatches, v, recompute,
+                              stage_weights(config, plan, workload.seq))
         compute = workload.calls(plan) * float(sim.step_time) * t_stage_fwd / v
         bubble = float(sim.bubble_fraction)
     else:
@@ -187,7 +237,7 @@ def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
         acts.pin_attention(block)
     heads, d_qk, d_v = roles.score_value_dims(config)
     params = metrics.block_params(config) - 2 * config.hidden_size
-    if moe_spec(config) is not None:  # build_block made the MLP an Identity
+    if moe.block_kinds(config)[0] == "moe":  # build_block made block 0's MLP an Identity
         params -= 3 * config.hidden_size * config.intermediate_size
     formula = 6.0 * params * seq + 6.0 * heads * (d_qk + d_v) * seq * seq
     return float(counter.get_total_flops()), formula

@@ -26,10 +26,18 @@ from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.data_parallel import expert_shard_dim
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
-from meshkit.estimate.spec import ModelState, ParamSpec, Workload, config_from_key, config_key, dtype_bytes
+from meshkit.estimate.spec import (
+    BlockUnits,
+    ModelState,
+    ParamSpec,
+    Workload,
+    config_from_key,
+    config_key,
+    dtype_bytes,
+)
 from meshkit.estimate.zero import zero_memory
-from meshkit.models import llama
-from meshkit.models.moe import convert_moe_blocks, moe_spec
+from meshkit.models import llama, roles
+from meshkit.models.moe import convert_moe_blocks
 from meshkit.pipeline.schedules import stage_placement
 from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
@@ -40,33 +48,47 @@ def stage_ranks(plan: Plan) -> tuple[int, ...]:
     return stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
 
 
-def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
-    """Blocks of each of a rank's stages, per pipeline rank, from meshkit's own split (the embedding
-    and the head count as a layer each, so the first and last stages get fewer blocks)."""
+def stage_layers(config: Any, plan: Plan) -> list[list[range]]:
+    """Decoder-block indices of each of a rank's stages, per pipeline rank, from meshkit's own split
+    (the embedding and the head count as a layer each, so the first and last stages get fewer blocks)."""
     v = plan.pp_stages_per_rank if plan.pp > 1 else 1
     ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
-    return [[len(ranges[s]) for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
+    return [[ranges[s] for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
+
+
+def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
+    """Blocks of each of a rank's stages, per pipeline rank (`stage_layers`, counted)."""
+    return [[len(r) for r in stages] for stages in stage_layers(config, plan)]
+
+
+def stage_kinds(config: Any, plan: Plan) -> list[list[dict[str, int]]]:
+    """Blocks of each kind ("dense", "moe") in each of a rank's stages, per pipeline rank: what a stack
+    mixing dense and MoE blocks sums per stage."""
+    kinds = moe.block_kinds(config)
+    return [[{k: sum(kinds[i] == k for i in r) for k in moe.KINDS if any(kinds[i] == k for i in r)} for r in stages]
+            for stages in stage_layers(config, plan)]
 
 
 # -------------------------------------------------------------------------------- model state
 
 
 @functools.lru_cache(maxsize=16)
-def _param_specs(config_json: str) -> tuple[tuple[ParamSpec, ...], int, bool]:
+def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], int, bool]:
     cfg = config_from_key(config_json)
     layers, cfg.num_hidden_layers = cfg.num_hidden_layers, 1
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    if moe.require_supported(cfg) is not None:
+    if moe.model_experts(cfg) is not None:
         convert_moe_blocks(model)
     parts = llama.parts(model)
-    roles = llama.block_roles(parts.blocks[0])
+    block_roles = llama.block_roles(parts.blocks[0])
     specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed")]
     for name, p in parts.blocks[0].named_parameters():
         owner, leaf = name.rsplit(".", 1)
-        tp_dim = {"colwise": 0, "rowwise": 1 if leaf == "weight" else None}.get(roles.get(owner, ""))
-        in_moe = roles.get("mlp") == "moe" and owner.startswith("mlp")
-        specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe))
+        tp_dim = {"colwise": 0, "rowwise": 1 if leaf == "weight" else None}.get(block_roles.get(owner, ""))
+        in_moe = block_roles.get("mlp") == "moe" and owner.startswith("mlp")
+        specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe,
+                               kind))
     specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head"))
     if not parts.tied:
         specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head"))
@@ -74,13 +96,21 @@ def _param_specs(config_json: str) -> tuple[tuple[ParamSpec, ...], int, bool]:
 
 
 def param_specs(config: Any) -> tuple[tuple[ParamSpec, ...], int, bool]:
-    """(one block's and the edges' parameters, the layer count, whether embeddings are tied).
+    """(the edges' parameters and one block's of each kind the stack has, the layer count, whether
+    embeddings are tied).
 
-    Shapes come from a one-block model on the meta device and meshkit's role table, so biases
-    (Qwen2) and per-head norms (Qwen3) are covered without a formula per model family; MoE blocks
-    are converted to meshkit's layer first, whose router and shared expert TP leaves whole.
+    Shapes come from a one-block model per block kind on the meta device and meshkit's role table, so
+    biases (Qwen2), per-head norms (Qwen3) and MLA's latents are covered without a formula per model
+    family; MoE blocks are converted to meshkit's layer first, whose router and shared expert TP leaves
+    whole. `ParamSpec.kind` says which kind of block a block or expert tensor belongs to.
     """
-    return _param_specs(config_key(config))
+    present = [k for k in moe.KINDS if k in moe.block_kinds(config)]
+    specs: list[ParamSpec] = []
+    for i, kind in enumerate(present):
+        one, layers, tied = _param_specs(config_key(moe.kind_config(config, kind)), kind)
+        specs += [s for s in one if s.unit in ("block", "expert") or i == 0]
+    edges = [s for s in specs if s.unit not in ("block", "expert")]
+    return (edges[0], *(s for s in specs if s.unit in ("block", "expert")), *edges[1:]), layers, tied
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -115,16 +145,20 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     pads each shard's allocation to equal rows, at most one row per tensor more."""
     specs, layers, tied = param_specs(config)
     fsdp = plan.dp_shard * plan.cp
-    blocks = sum(stage_blocks(config, plan)[pp_rank])
+    on_rank = [i for r in stage_layers(config, plan)[pp_rank] for i in r]
+    kinds = moe.block_kinds(config)
+    kind_count = {k: sum(kinds[i] == k for i in on_rank) for k in moe.KINDS}
+    blocks = len(on_rank)
     first, last = stage_ranks(plan)[0], stage_ranks(plan)[-1]
     copy = tied and plan.pp > 1 and pp_rank == last  # the head's copy of a tied embedding
-    count_of = {"block": blocks, "expert": blocks, "embed": int(pp_rank == first) + int(copy),
-                "head": int(pp_rank == last)}
+    edge_count = {"embed": int(pp_rank == first) + int(copy), "head": int(pp_rank == last)}
     numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = 0
-    units = {"embed": 0, "block": 0, "head": 0, "expert": 0}
+    units = {"embed": 0, "head": 0}
+    kind_units = {k: {"block": 0, "expert": 0} for k in moe.KINDS}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
-        count = count_of[spec.unit]
+        block_part = spec.unit in ("block", "expert")
+        count = kind_count[spec.kind] if block_part else edge_count[spec.unit]
         # Experts: ep neighbouring ranks of dp_shard x cp split the experts (ep is the inner factor),
         # and FSDP shards each rank's block of experts over the fsdp/ep ranks holding the same block.
         split, split_rank, shards, shard_rank = plan.tp, tp_rank, fsdp, fsdp_rank
@@ -147,23 +181,44 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         shape = _split_shape(spec, split, split_rank)
         rows = shape[fsdp_dim(spec, split, split_rank, shards)]
         per_row = math.prod(shape) // max(rows, 1)
-        units[spec.unit] += -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
+        padded = -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
+        if block_part:
+            kind_units[spec.kind][spec.unit] += padded
+        else:
+            units[spec.unit] += padded
+    block_units = tuple(BlockUnits(k, kind_count[k], kind_units[k]["block"], kind_units[k]["expert"])
+                        for k in moe.KINDS if kind_count[k])
+    units["block"] = max((u.block for u in block_units), default=0)
+    units["expert"] = max((u.expert for u in block_units), default=0)
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
-                      units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total)
+                      units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total, block_units)
 
 
 # -------------------------------------------------------------------------------- activations
 
 
+def _one_kind(config: Any, kind: str | None) -> tuple[Any, str]:
+    """(the uniform config of `kind`, kind); `kind` may be left out only for a uniform stack."""
+    if kind is None:
+        kinds = sorted(set(moe.block_kinds(config)))
+        if len(kinds) > 1:
+            raise ValueError(f"{getattr(config, 'model_type', '?')} mixes dense and MoE blocks: pass kind="
+                             f"'dense' or 'moe' for the block to estimate")
+        kind = kinds[0]
+    return moe.kind_config(config, kind), kind
+
+
 def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                      dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> dict[str, int]:
+                      dtype: str = "bfloat16", ac: str = "none", ep: int = 1, kind: str | None = None) -> dict[str, int]:
     """Bytes one block keeps between its forward and backward, by part, on one rank: the traced
     block, plus the measured MoE layer in an MoE block (each TP rank routes its own sequence shard).
 
-    `seq` is the rank's sequence length (already divided by cp). The rotary cos/sin are not
-    included: they are shared by the blocks of a stage (`activations.shared_activations`).
+    `seq` is the rank's sequence length (already divided by cp). `kind` ("dense" or "moe") picks the
+    block of a stack that mixes both. The rotary cos/sin are not included: they are shared by the
+    blocks of a stage (`activations.shared_activations`).
     """
-    is_moe = moe_spec(config) is not None
+    config, kind = _one_kind(config, kind)
+    is_moe = kind == "moe"
     if is_moe and ac == "selective" and moe_blocks_full(tp, ep):
         ac = "full"  # what parallelize does: SAC's op replay cannot follow the routing replay
     out = acts.traced_block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
@@ -175,17 +230,17 @@ def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequenc
 
 
 def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                          dtype: str = "bfloat16", ac: str = "none", ep: int = 1) -> int:
-    """Bytes one block needs on top of what it kept while its backward runs.
+                          dtype: str = "bfloat16", ac: str = "none", ep: int = 1, kind: str | None = None) -> int:
+    """Bytes one block (of `kind`, in a mixed stack) needs on top of what it kept while its backward runs.
 
     Under AC the block's dropped tensors come back all at once (recompute), then its gradients
     need buffers; we count the dropped tensors plus two of the largest saved tensor for the
     gradient in flight. Without AC only the gradient buffers remain.
     """
-    kept = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
-                                 dtype=dtype, ac=ac, ep=ep).values())
-    everything = sum(block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
-                                       dtype=dtype, ac="none").values())
+    config, kind = _one_kind(config, kind)
+    kw = dict(batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, ep=ep, kind=kind)
+    kept = sum(block_activations(config, ac=ac, **kw).values())
+    everything = sum(block_activations(config, ac="none", **kw).values())
     largest = batch * acts.trace_block(config, seq, tp, dtype).largest
     return max(everything - kept, 0) + 2 * largest
 
@@ -199,8 +254,8 @@ class RankMemory:
 
     pp_rank: int
     state: ModelState
-    per_block: dict[str, int]  # one block, one microbatch
-    held_blocks: int           # block-microbatches alive at the peak
+    per_kind: dict[str, dict[str, int]]  # one block of each kind the rank holds, one microbatch, by part
+    held: dict[str, int]       # block-microbatches of each kind alive at the peak
     in_flight: int             # (stage, microbatch) pairs alive at the peak
     shared: int                # rotary cos/sin per in-flight pair
     head: dict[str, int]       # final norm, LM head and loss (last stage only)
@@ -209,9 +264,22 @@ class RankMemory:
     offloaded: int = 0         # model state that Plan.offload keeps in host memory
 
     @property
+    def held_blocks(self) -> int:
+        """Block-microbatches alive at the peak, every kind."""
+        return sum(self.held.values())
+
+    @property
+    def per_block(self) -> dict[str, int]:
+        """One block, one microbatch, by part: the kind held most (the only kind of a uniform stack)."""
+        if not self.per_kind:
+            return {}
+        return self.per_kind[max(self.per_kind, key=lambda k: (self.held.get(k, 0), k))]
+
+    @property
     def activations(self) -> int:
         """Activation bytes held at the peak (all in-flight microbatches)."""
-        return self.held_blocks * sum(self.per_block.values()) + self.in_flight * self.shared + sum(self.head.values())
+        blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
+        return blocks + self.in_flight * self.shared + sum(self.head.values())
 
     @property
     def peak(self) -> int:
@@ -219,11 +287,10 @@ class RankMemory:
         return self.state.persistent - self.offloaded + self.activations + self.transient + self.fsdp_buffers
 
 
-
 def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
     """What the all-gather CP kind holds per block beyond the ring: the other ranks' K/V, gathered in
     forward and kept for backward ((ring - 1) local [K; V] shards, K/V heads as Ulysses replicates them)."""
-    _, kv, d = llama.attention_dims(config)
+    _, kv, d = roles.kernel_dims(config)
     uly = plan.ulysses_degree
     kv_tp = kv // plan.tp
     rep = uly // math.gcd(kv_tp, uly) if kv_tp % uly else 1
@@ -239,8 +306,35 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
     last = pp_rank == stage_ranks(plan)[-1]
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
-    per_block = block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
+    stages = stage_kinds(config, plan)[pp_rank]
+    on_rank = sorted({k for stage in stages for k in stage})
+    per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, kind=k, **kw),
+                                config, plan, workload) for k in on_rank}
+    transient = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, ep=plan.ep, kind=k, **kw)
+                     for k in on_rank), default=0)
+    if last:
+        transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))
+    fsdp_buffers = 0
+    if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
+        act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
+        unit = max(state.unit_elements.values())
+        reshard = plan.fsdp_reshard
+        gathered = 2 * unit if reshard else \
+            sum(state.unit_elements[k] for k in ("embed", "head")) + state.block_elements
+        fsdp_buffers = gathered * act + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
+    memory_options = zero_memory(plan, state, config)
+    fsdp_buffers += max(memory_options.full_grads, memory_options.window_grads)  # ZeRO-1 / accumulation
+    # In-flight pairs may be of any of the rank's stages: the one holding the most bytes sets the peak.
+    heaviest = max(stages, key=lambda st: sum(n * sum(per_kind[k].values()) for k, n in st.items()))
+    held = {k: in_flight * n for k, n in heaviest.items()}
+    return RankMemory(pp_rank, state, per_kind, held, in_flight, acts.shared_activations(config, **kw), head,
+                      transient, fsdp_buffers, memory_options.host)
+
+
+def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:
+    """One block's bytes with what the plan's CP kind keeps beyond the traced SDPA call."""
     kind = getattr(plan, "cp_attention", "zigzag")
+    ac = plan.activation_checkpointing
     if ac == "selective" and plan.cp > 1 and kind in ("ring", "zigzag", "usp"):
         # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
         per_block["attention"] = per_block.get("attention", 0) * plan.cp
@@ -250,19 +344,4 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     if ac == "none" and plan.cp > 1 and (kind == "allgather" or getattr(plan, "cp_keep_kv", False)):
         # the other ranks' K/V held from forward to backward (the ring with cp_keep_kv keeps what it received)
         per_block["attention"] = per_block.get("attention", 0) + allgather_kv_bytes(config, plan, workload)
-    transient = recompute_working_set(config, sequence_parallel=sp, ac=ac, ep=plan.ep, **kw)
-    if last:
-        transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))
-    fsdp_buffers = 0
-    if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
-        act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
-        unit = max(state.unit_elements.values())
-        reshard = plan.fsdp_reshard
-        gathered = 2 * unit if reshard else sum(state.unit_elements[k] for k in ("embed", "head")) + \
-            state.blocks * (state.unit_elements["block"] + state.unit_elements["expert"])
-        fsdp_buffers = gathered * act + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
-    memory_options = zero_memory(plan, state, config)
-    fsdp_buffers += max(memory_options.full_grads, memory_options.window_grads)  # ZeRO-1 / accumulation
-    largest_stage = max(stage_blocks(config, plan)[pp_rank])  # in-flight pairs may be of any of its stages
-    return RankMemory(pp_rank, state, per_block, in_flight * largest_stage, in_flight,
-                      acts.shared_activations(config, **kw), head, transient, fsdp_buffers, memory_options.host)
+    return per_block

@@ -10,6 +10,10 @@ top-k and options, runs on small real tensors (its routing is data-dependent, wh
 trace cannot follow), and the saved bytes are identified as an exact linear function of tokens x
 (hidden, expert width, shared-expert width, 1). That identification is checked at a further shape;
 a layer whose saved bytes stop being linear raises instead of extrapolating.
+
+Stacks may mix dense and MoE blocks (DeepSeek-V3's first dense layers, Qwen2-MoE's `mlp_only_layers`):
+`block_kinds` says which block is which, and each kind is built, traced and measured on its own
+uniform config (`kind_config`), which the rest of the estimator sums over the blocks a rank holds.
 """
 
 from __future__ import annotations
@@ -28,27 +32,48 @@ from meshkit.estimate.spec import DTYPES, config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.expert_parallel.moe import MoE
 from meshkit.models import llama
-from meshkit.models.moe import MoESpec, convert_moe_blocks, moe_spec
+from meshkit.models.moe import MoESpec, convert_moe_blocks, moe_spec, uniform_config
 
 MOE_PARTS = {"gate": "router", "experts": "experts", "shared_expert": "shared_expert"}
 DEFAULT_PART = "dispatch_combine"  # ops of MoE.forward itself: scores, top-k, gather, scatter-add
 
 
-def require_supported(config: Any) -> MoESpec | None:
-    """The config's experts, or None for a dense model; raises for stacks the estimator cannot model.
+KINDS = ("dense", "moe")  # the block kinds a stack may mix, in the order reports list them
 
-    The estimator treats every decoder block alike (pipeline stages are counted in blocks), so a
-    stack mixing dense and MoE blocks is refused rather than estimated as if it were uniform.
-    """
+
+def model_experts(config: Any) -> MoESpec | None:
+    """The config's experts, or None when no decoder block is MoE (a dense model, or a dense-kind
+    config from `kind_config`)."""
     spec = moe_spec(config)
-    if spec is None:
-        return None
-    if len(spec.layers) != config.num_hidden_layers:
-        dense = sorted(set(range(config.num_hidden_layers)) - set(spec.layers))
-        raise ValueError(f"{getattr(config, 'model_type', '?')}: blocks {dense[:8]}{'...' if len(dense) > 8 else ''} "
-                         f"are dense and the others MoE; the estimator models uniform stacks only (all dense or "
-                         f"all MoE)")
-    return spec
+    return spec if spec is not None and spec.layers else None
+
+
+def block_kinds(config: Any) -> tuple[str, ...]:
+    """The kind of every decoder block, "dense" or "moe", in order: what a stack is summed over.
+
+    Published MoE stacks mix them (DeepSeek-V3's first dense layers, Qwen2-MoE's `mlp_only_layers`
+    and `decoder_sparse_step`); each kind is estimated on its own uniform config (`kind_config`)."""
+    spec = model_experts(config)
+    layers = set(spec.layers) if spec is not None else set()
+    return tuple("moe" if i in layers else "dense" for i in range(config.num_hidden_layers))
+
+
+@functools.lru_cache(maxsize=32)
+def _kind_config(config_json: str, kind: str) -> Any:
+    return uniform_config(config_from_key(config_json), kind == "moe")
+
+
+def kind_config(config: Any, kind: str) -> Any:
+    """The config of a stack made only of `kind` blocks (the config itself when it already is one):
+    one-block models built from it have block 0 of that kind, every other field as published."""
+    if kind not in KINDS:
+        raise ValueError(f"block kind {kind!r}: must be one of {KINDS}")
+    kinds = set(block_kinds(config))
+    if kinds == {kind}:
+        return config
+    if kind not in kinds:
+        raise ValueError(f"{getattr(config, 'model_type', '?')}: no {kind} block in this stack")
+    return _kind_config(config_key(config), kind)
 
 
 # ------------------------------------------------------------------------------ the layer itself
@@ -73,7 +98,7 @@ def _layer_options(config_json: str) -> dict[str, Any]:
 
 def layer_options(config: Any) -> dict[str, Any]:
     """Expert count, top-k, expert and shared-expert widths and balancing options of the MoE layers."""
-    return _layer_options(config_key(config))
+    return _layer_options(config_key(kind_config(config, "moe")))
 
 
 def _measure(options: dict[str, Any], tokens: int, hidden: int, inter: int, shared: int,
@@ -152,6 +177,6 @@ def layer_activations(config: Any, tokens: int, dtype: str, ac: str) -> dict[str
     """Bytes one MoE layer keeps for `tokens` tokens on this rank (AC none or selective), by part."""
     if ac == "full":
         return {}
-    identified = _identify(config_key(config), config.hidden_size, dtype)
+    identified = _identify(config_key(kind_config(config, "moe")), config.hidden_size, dtype)
     prefix = ac + "/"
     return {k[len(prefix):]: n for k, n in identified.at(tokens).items() if k.startswith(prefix) and n}

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 
 from meshkit import metrics
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
-from meshkit.estimate.memory import param_specs
+from meshkit.estimate.memory import model_state
 from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB
 from meshkit.models import llama
-from meshkit.models.moe import moe_spec
+from meshkit.plan import Plan
 
 
 def _gib(n: float) -> str:
@@ -32,14 +31,14 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     """The per-rank report the CLI prints."""
     c, p, w, mem = e.config, e.plan, e.workload, e.memory
     heads, kv, _ = llama.attention_dims(c)
-    n_total = sum(math.prod(s.shape) * (c.num_hidden_layers if s.unit in ("block", "expert") else 1)
-                  for s in param_specs(c)[0])
-    experts = moe.require_supported(c)
+    n_total = model_state(c, Plan()).params
+    experts = moe.model_experts(c)
     ffn = c.intermediate_size
     if experts is not None:
         active = metrics.nonembedding_params(c) + c.vocab_size * c.hidden_size
+        dense = c.num_hidden_layers - len(experts.layers)
         ffn = (f"{experts.num_experts} experts x {experts.intermediate_size}, top-{experts.top_k}, "
-               f"{active / 1e9:.2f}B active")
+               f"{active / 1e9:.2f}B active" + (f", {dense} dense blocks of ffn {c.intermediate_size}" if dense else ""))
     L = []
     L.append(f"model: {n_total / 1e9:.2f}B params, L={c.num_hidden_layers} h={c.hidden_size} heads={heads}/{kv} "
              f"ffn={ffn} vocab={c.vocab_size}")
@@ -57,8 +56,11 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"  optimizer (AdamW exp_avg + exp_avg_sq){'':8}{_gib(s.optimizer_bytes)}")
     L.append(f"  activations held{'':30}{_gib(mem.activations)}   {mem.in_flight} microbatch(es) x "
              f"{mem.held_blocks // max(mem.in_flight, 1)} blocks in flight")
-    for part, n in mem.per_block.items():
-        L.append(f"    per block: {part:<16}{_bytes(n):>12}   x{mem.held_blocks} = {_bytes(n * mem.held_blocks)}")
+    for kind, per_block in mem.per_kind.items():
+        label = "per block" if len(mem.per_kind) == 1 else f"{kind} block"
+        held = mem.held.get(kind, 0)
+        for part, n in per_block.items():
+            L.append(f"    {label}: {part:<16}{_bytes(n):>12}   x{held} = {_bytes(n * held)}")
     L.append(f"    rotary cos/sin{'':14}{_bytes(mem.shared):>12}   x{mem.in_flight}")
     for part, n in mem.head.items():
         L.append(f"    {part:<26}{_bytes(n):>12}")
@@ -82,7 +84,7 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"  per step: {world_flops / 1e15:.1f} PFLOP model, {world_flops / p.world_size / 1e12:.1f} TFLOP per rank")
     if check_flops:
         counted, formula = flop_counter_check(c, w.seq)
-        part = " (attention part; the MoE layer routes by data)" if moe_spec(c) is not None else ""
+        part = " (attention part; the MoE layer routes by data)" if moe.block_kinds(c)[0] == "moe" else ""
         L.append(f"  FlopCounterMode, one fake block{part} at seq {w.seq}: {counted / 1e12:.3f} TFLOP vs "
                  f"formula {formula / 1e12:.3f} (ratio {counted / formula:.4f})")
     L.append(f"\ncommunication per step, per rank (link: nvlink {e.device.nvlink_bw / 1e9:.0f} GB/s, "

@@ -103,7 +103,7 @@ def layouts(config: Any, world: int, seq: int, device: Device, removed: dict[str
     each shard keeps CP_MIN_SHARD tokens; what is left of the world is data parallel, sharded or
     replicated. For an MoE model every ep dividing both dp_shard x cp (where meshkit folds it) and the
     expert count. `removed` counts the combinations each rule dropped, for an empty answer's reason."""
-    experts = moe.require_supported(config)
+    experts = moe.model_experts(config)
     removed = {} if removed is None else removed
     out = []
     for tp, pp, cp in itertools.product(_powers(device.gpus_per_node), _powers(config.num_hidden_layers),
@@ -128,7 +128,6 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
            top: int = 10, mfu: float = 0.45, memory_fraction: float = 0.9,
            param_dtype: str = "bfloat16") -> SearchResult:
     """Every layout x AC mode x microbatch size (x schedule under pp), estimated; what fits, ranked."""
-    moe.require_supported(config)
     device = DEVICES[device] if isinstance(device, str) else device
     limit = budget(device, memory_fraction)
     host_limit = device.host_memory_bytes * memory_fraction

@@ -53,6 +53,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
                           max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # DeepSeek-V3 (671B, 37B active): MLA, 256 routed experts in 8 groups (4 kept) top-8, one shared
+    # expert, and the first 3 of its 61 blocks dense (`first_k_dense_replace`).
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                        n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, first_k_dense_replace=3, max_position_embeddings=163840,
+                        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
 }
 
 
@@ -160,6 +169,18 @@ class ParamSpec:
     tp_dim: int | None
     unit: str  # "embed", "block", "head", or "expert" (dim 0 split by ep, then FSDP'd over fsdp/ep ranks)
     tp_summed: bool = False  # an MoE weight TP leaves whole: its gradient is all-reduced over tp
+    kind: str = "dense"  # block and expert tensors: the kind of block ("dense" or "moe") they belong to
+
+
+@dataclass(frozen=True)
+class BlockUnits:
+    """The decoder blocks of one kind on one rank, as FSDP2 units: how many, and one block's units
+    as gathered (TP-local, padded rows). A stack mixing dense and MoE blocks has one of each."""
+
+    kind: str     # "dense" or "moe"
+    count: int    # blocks of this kind on the rank
+    block: int    # one block's own unit (an MoE block's router and shared expert included)
+    expert: int   # one block's expert unit (0 for a dense block)
 
 
 @dataclass(frozen=True)
@@ -170,13 +191,19 @@ class ModelState:
     param_bytes: int       # sharded fp32 parameters, which are the master weights
     grad_bytes: int        # sharded gradients, in the parameters' dtype
     optimizer_bytes: int   # AdamW exp_avg + exp_avg_sq, plus its 4-byte `step` tensor per parameter
-    unit_elements: dict[str, int]  # one FSDP unit of each kind as gathered (TP-local, padded rows)
+    unit_elements: dict[str, int]  # one FSDP unit of each kind as gathered (TP-local, padded rows; blocks: the largest)
     blocks: int            # decoder blocks on this pipeline rank
     zero: dict[str, float]  # Playbook bytes per rank: DDP and ZeRO-1/2/3, 2+2+12 bytes per parameter
     tp_summed_tensors: int = 0   # MoE weights whose gradient shards are all-reduced over tp (when tp > 1)
     tp_summed_elements: int = 0  # their elements on this rank
     tied_copy_elements: int = 0  # pp > 1, tied embedding, first or last stage: this rank's copy's shard
     held_elements: int = 0       # elements of this rank's parameters before FSDP shards them (TP/ep-local)
+    block_units: tuple[BlockUnits, ...] = ()  # the rank's blocks by kind (dense, moe)
+
+    @property
+    def block_elements(self) -> int:
+        """Elements of every block unit of the rank as gathered (expert units included)."""
+        return sum(u.count * (u.block + u.expert) for u in self.block_units)
 
     @property
     def persistent(self) -> int:

@@ -65,7 +65,7 @@ def gathered_elements(state: ModelState) -> int:
     """Elements of every FSDP unit of the rank as gathered (padded rows): ZeRO-1/2 keep them all."""
     units = state.unit_elements
     edges = units["embed"] + units["head"]
-    return edges + state.blocks * (units["block"] + units["expert"])
+    return edges + state.block_elements
 
 
 def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: bool = False) -> ZeroMemory:

@@ -1,6 +1,6 @@
 """Expert parallelism: the `MoE` layer, its all-to-all token dispatch and grouped-GEMM experts.
 
-`MoE` is the layer; `apply_expert_parallel` shards its experts over an expert-parallel group;
+`MoE` is the layer (`expert_variants`: expert layouts, biases and the clamped SwiGLU some families use); `apply_expert_parallel` shards its experts over an expert-parallel group;
 `update_expert_biases` runs DeepSeek-V3's bias step; `aux_loss_value`, `pop_router_stats` and
 `hf_load_balancing_loss` expose the balancing losses (`balancing.py`). See docs/expert_parallel.md.
 """
@@ -11,6 +11,7 @@ from meshkit.expert_parallel.balancing import (
     router_z_loss,
     switch_aux_loss,
 )
+from meshkit.expert_parallel.expert_variants import ClampedSwiGLU, ExpertLayout
 from meshkit.expert_parallel.grouped_gemm import GroupedExperts, SwiGLU, from_hf_layout, to_hf_layout
 from meshkit.expert_parallel.moe import (
     MoE,
@@ -23,6 +24,8 @@ from meshkit.expert_parallel.moe import (
 )
 
 __all__ = [
+    "ClampedSwiGLU",
+    "ExpertLayout",
     "GroupedExperts",
     "MoE",
     "RouterStats",

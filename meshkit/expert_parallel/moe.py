@@ -47,6 +47,7 @@ from meshkit.expert_parallel.dispatch import (
     dispatch,
     plan_dispatch,
 )
+from meshkit.expert_parallel.expert_variants import ROW_LAYOUT, Activation, ExpertLayout, silu_glu
 from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU
 from meshkit.local_tensor import local_tensor
 
@@ -96,6 +97,11 @@ class MoE(nn.Module):
     `gate.e_score_correction_bias`, loaded from and saved to HF checkpoints). DeepSeek-V3 routing:
     `score_func="sigmoid"`, `n_group`/`topk_group` (group-limited top-k), `route_scale` (its
     `routed_scaling_factor`); its shared expert lives under `shared_expert_name="shared_experts"`.
+
+    gpt-oss: the router is `router_name="router"` with a bias (`router_bias`; top-k of the logits,
+    then softmax over the chosen ones, which is softmax, top-k and renormalisation here); the experts
+    keep HF's transposed, interleaved layout (`expert_layout`), have biases (`expert_biases`) and the
+    clamped SwiGLU (`expert_activation`): the `expert_variants` adapters.
     """
 
     def __init__(
@@ -114,6 +120,11 @@ class MoE(nn.Module):
         shared_expert_gate: bool = False,
         shared_expert_name: str = "shared_expert",
         bias_in_gate: bool = False,
+        router_bias: bool = False,
+        router_name: str = "gate",
+        expert_layout: ExpertLayout = ROW_LAYOUT,
+        expert_biases: bool = False,
+        expert_activation: Activation = silu_glu,
         capacity_factor: float | None = None,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
@@ -149,8 +160,13 @@ class MoE(nn.Module):
         self.ep_group: ProcessGroup | None = None
         self.load_group: ProcessGroup | None = None
 
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, expert_backend, **factory)
+        # The router goes by its HF name (gpt-oss: `router`); not add_module: `gate` is a property.
+        self._router_name = router_name
+        self._modules[router_name] = nn.Linear(hidden_size, num_experts, bias=router_bias, device=device,
+                                               dtype=torch.float32)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, expert_backend,
+                                      layout=expert_layout, bias=expert_biases, activation=expert_activation,
+                                      **factory)
         # The shared expert goes by the HF name of the model it came from (DeepSeek: `shared_experts`).
         self._shared_name = shared_expert_name
         if shared_intermediate_size:
@@ -191,6 +207,11 @@ class MoE(nn.Module):
             self.reset_parameters()
 
     @property
+    def gate(self) -> nn.Linear:
+        """The router ([E, H] fp32 weight, optional [E] bias), whatever HF name it is registered under."""
+        return self._modules[self._router_name]
+
+    @property
     def shared_expert(self) -> nn.Module | None:
         """The shared expert (every token, unrouted), whatever HF name it is registered under."""
         return self._modules.get(self._shared_name)
@@ -216,9 +237,14 @@ class MoE(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
-        """Initialise router, experts and shared expert weights as normal(0, init_std)."""
-        for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
-            nn.init.normal_(p, std=self.init_std)
+        """Initialise router, experts and shared expert weights as normal(0, init_std), expert biases
+        as zeros and a router bias as normal (as HF initialises gpt-oss's)."""
+        for p in (self.gate.weight, self.gate.bias, self.experts.gate_up_proj, self.experts.down_proj):
+            if p is not None:
+                nn.init.normal_(p, std=self.init_std)
+        for p in (self.experts.gate_up_proj_bias, self.experts.down_proj_bias):
+            if p is not None:
+                nn.init.zeros_(p)
         if self.shared_expert is not None:
             for lin in (self.shared_expert.gate_proj, self.shared_expert.up_proj, self.shared_expert.down_proj):
                 nn.init.normal_(lin.weight, std=self.init_std)
@@ -289,7 +315,8 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Route each token to its top-k experts (across ranks under EP) and combine; shape preserved."""
         x_TH = x.reshape(-1, self.hidden_size)
-        logits_TE = F.linear(x_TH.float(), local_tensor(self.gate.weight).float())
+        bias_E = None if self.gate.bias is None else local_tensor(self.gate.bias).float()
+        logits_TE = F.linear(x_TH.float(), local_tensor(self.gate.weight).float(), bias_E)
         recompute = in_backward()
         stats_needed = (self.training and torch.is_grad_enabled() or self.measure_balance) and (
             self.aux_loss_coef > 0 or self.z_loss_coef > 0 or self.keep_router_stats)
@@ -463,8 +490,8 @@ def apply_expert_parallel(
     if moe.num_local_experts != moe.num_experts:
         raise ValueError("apply_expert_parallel: this MoE's experts are already sharded")
     local = moe.num_experts // size
-    for name in ("gate_up_proj", "down_proj"):
-        block = getattr(moe.experts, name).detach()[rank * local : (rank + 1) * local].clone()
+    for name, param in list(moe.experts.named_parameters(recurse=False)):  # experts on dim 0, biases too
+        block = param.detach()[rank * local : (rank + 1) * local].clone()
         if mesh is not None:
             block = DTensor.from_local(block, mesh, [Shard(0)], run_check=False)
         setattr(moe.experts, name, nn.Parameter(block))

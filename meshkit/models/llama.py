@@ -25,7 +25,7 @@ from meshkit.models import quirks as quirks_lib
 # configs and module structure; this list only records what has been proven equal to HF.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2",
                          "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "glm4", "helium", "qwen2_moe",
-                         "olmoe", "deepseek_v3")
+                         "olmoe", "deepseek_v3", "gpt_oss")
 
 # Role of each layer inside a decoder block, by HF name relative to the block.
 #   colwise / rowwise : linear layers split on output / input features under TP
@@ -175,8 +175,9 @@ def check_config(config, seq_len: int | None, cp_attention: str | None = None) -
     parallelism do not apply (`cp_attention`: the plan's kind when cp > 1, else None).
 
     Ring attention merges per-block log-sum-exps with a plain causal mask; a window shorter than the
-    sequence, soft-capped scores or sinks change every block's scores, so those models need Ulysses
-    (whole sequences per rank) or cp = 1.
+    sequence or soft-capped scores change every block's scores, so those models need Ulysses (whole
+    sequences per rank) or cp = 1. Sinks add one term to the merged denominator, which every
+    merging kind applies after its last block (`ring.add_sinks_`).
     """
     if cp_attention not in RING_KINDS:
         return []
@@ -261,7 +262,9 @@ def init_rule(name: str, config) -> tuple[str, float]:
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if owner.endswith("norm") or "layernorm" in owner:
         return "ones", 0.0
-    if leaf == "bias":
+    if leaf == "bias" and owner == "router":  # gpt-oss draws its router bias like a weight
+        return "normal", std
+    if leaf == "bias" or leaf.endswith("_bias"):  # linear biases, gpt-oss's expert biases
         return "zeros", 0.0
     return "normal", std
 

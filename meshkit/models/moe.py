@@ -3,13 +3,16 @@
 Like `llama.py`, this is a module that knows Hugging Face names; the rest of meshkit only ever sees
 `MoE` layers. Two kinds of model qualify:
 
-- **HF MoE models** (`mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`): each decoder block's `mlp` is a
+- **HF MoE models** (`mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`, `deepseek_v3`, `gpt_oss`): each decoder block's `mlp` is a
   sparse block with a `gate` router ([E, H] weight) and fused `experts` (`gate_up_proj` [E, 2I, H],
   `down_proj` [E, H, I]; Qwen2/3-MoE keep dense MLPs in `mlp_only_layers`; Qwen2-MoE adds a
   `shared_expert` scaled by sigmoid(`shared_expert_gate`), which `MoE` has as options). `convert_moe_blocks`
   replaces each sparse block with an `MoE` that holds *the same Parameter objects* (no copy, works on
   the meta device) under the same names, so `model.state_dict()` keeps exactly HF's keys, shapes and
-  dtypes and checkpoints load and save with HF's own code.
+  dtypes and checkpoints load and save with HF's own code. gpt-oss's block (`router` with a bias,
+  experts stored transposed with gate/up interleaved, biased, with a clamped SwiGLU) is read from
+  what its experts class declares (`is_transposed`, `is_concatenated`, `has_bias`) and the
+  config's `swiglu_alpha` / `swiglu_limit`, through `expert_parallel.expert_variants`.
 - **Llama-MoE** (meshkit's debug model): a Llama-family config carrying a `meshkit_moe` dict (e.g.
   `{"num_experts": 8, "top_k": 2}`); `llama_moe` (or `convert_moe_blocks`, which reads the dict)
   swaps every dense MLP for an `MoE`. The dict travels in `config.json`, so a saved model says how to
@@ -31,6 +34,7 @@ loss: a forward hook feeds HF's output collector the router logits its loss func
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -43,6 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshkit.expert_parallel import (
+    ClampedSwiGLU,
+    ExpertLayout,
     MoE,
     expert_split_problem,
     hf_load_balancing_loss,
@@ -61,9 +67,10 @@ __all__ = [
     "moe_spec",
     "plan_problems",
     "to_hf_state_dict",
+    "uniform_config",
 ]
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 LLAMA_MOE_KEY = "meshkit_moe"  # config attribute that turns a Llama-family model into a Llama-MoE
 
 
@@ -83,6 +90,12 @@ class _BlockFormat:
     scale_field: str | None = None
     group_fields: tuple[str, str] | None = None
     bias_in_gate: bool = False
+    # gpt-oss: the router's HF name, and the config fields of the clamped SwiGLU (alpha, limit); the
+    # experts' layout and biases are read from the experts class itself.
+    router: str = "gate"
+    clamped_swiglu: tuple[str, str] | None = None
+    # gpt-oss's block returns (hidden states, router scores), which its decoder layer unpacks.
+    returns_pair: bool = False
 
 
 _HF_BLOCKS: dict[str, _BlockFormat] = {
@@ -93,6 +106,8 @@ _HF_BLOCKS: dict[str, _BlockFormat] = {
     "DeepseekV3MoE": _BlockFormat("n_routed_experts", "norm_topk_prob", "shared_experts", score_func="sigmoid",
                                   scale_field="routed_scaling_factor", group_fields=("n_group", "topk_group"),
                                   bias_in_gate=True),
+    "GptOssMLP": _BlockFormat("num_local_experts", None, router="router",
+                              clamped_swiglu=("swiglu_alpha", "swiglu_limit"), returns_pair=True),
 }
 # Options a caller may set on converted layers; anything else would change what the layer computes
 # in ways HF's weights know nothing about (shared experts, sigmoid scores).
@@ -122,6 +137,9 @@ def moe_spec(config: Any) -> MoESpec | None:
         return MoESpec(config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                        tuple(range(int(config.first_k_dense_replace or 0), n_layers)),
                        shared_intermediate_size=config.moe_intermediate_size * int(config.n_shared_experts or 0))
+    if model_type == "gpt_oss":
+        return MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                       tuple(range(n_layers)))
     if model_type == "olmoe":
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.intermediate_size, tuple(range(n_layers)))
     if model_type in ("qwen3_moe", "qwen2_moe"):
@@ -138,6 +156,36 @@ def moe_spec(config: Any) -> MoESpec | None:
         return MoESpec(opts["num_experts"], opts["top_k"], opts.get("intermediate_size") or config.intermediate_size,
                        tuple(range(n_layers)) if layers is None else tuple(layers))
     return None
+
+
+def uniform_config(config: Any, moe: bool) -> Any:
+    """A copy of `config` whose every decoder block is MoE (`moe=True`) or dense (`moe=False`).
+
+    Why: a published stack often mixes the two (DeepSeek-V3's `first_k_dense_replace`, Qwen2/3-MoE's
+    `mlp_only_layers` and `decoder_sparse_step`, a Llama-MoE's `layers`), and whoever models one block
+    (the estimator builds, traces and counts a one-block model) needs a config in which block 0 is of
+    the kind asked for, with every other field as published. Raises ValueError for a family whose
+    blocks are all of one kind when the other is asked for.
+    """
+    cfg = copy.deepcopy(config)
+    n = int(getattr(cfg, "num_hidden_layers", 0))
+    model_type = getattr(cfg, "model_type", None)
+    if model_type == "deepseek_v3":
+        cfg.first_k_dense_replace = 0 if moe else n
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
+        cfg.mlp_only_layers = [] if moe else list(range(n))
+        if moe:
+            cfg.decoder_sparse_step = 1
+    elif _is_llama_moe(cfg):
+        opts = dict(getattr(cfg, LLAMA_MOE_KEY))
+        opts.pop("layers", None)
+        setattr(cfg, LLAMA_MOE_KEY, opts if moe else {**opts, "layers": []})
+    else:
+        spec = moe_spec(cfg)
+        if (spec is not None and len(spec.layers) == n) != moe:
+            raise ValueError(f"{model_type}: every block is {'dense' if spec is None else 'MoE'}; there is no "
+                             f"{'MoE' if moe else 'dense'} block to model")
+    return cfg
 
 
 def is_moe_model(model: nn.Module) -> bool:
@@ -221,15 +269,26 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     _check_hf_config(config)
     fmt = _HF_BLOCKS[type(block).__name__]
     experts_field, norm_field = fmt.experts_field, fmt.norm_field
-    router_weight: nn.Parameter = block.gate.weight
-    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
-    if getattr(block.experts, "is_transposed", False):  # none of MOE_MODEL_TYPES; would need from_hf_layout
-        raise ValueError(f"{type(block).__name__} stores transposed experts, which this adapter does not map")
+    router = getattr(block, fmt.router)
+    router_weight: nn.Parameter = router.weight
+    router_bias = getattr(router, "bias", None)
+    experts = block.experts
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    # transformers' experts decorator declares the storage: transposed ([E, in, out]) and, with
+    # is_concatenated False, gate/up interleaved; has_bias adds `gate_up_proj_bias` / `down_proj_bias`.
+    layout = ExpertLayout(transposed=bool(getattr(experts, "is_transposed", False)),
+                          interleaved=not getattr(experts, "is_concatenated", True))
+    biased = bool(getattr(experts, "has_bias", False))
+    if (layout != ExpertLayout() or biased) and fmt.clamped_swiglu is None:
+        raise ValueError(f"{type(block).__name__} stores {layout} experts (biases: {biased}), which this adapter "
+                         f"does not map for this block class")
     num_experts, hidden = router_weight.shape
     if num_experts != getattr(config, experts_field):
         raise ValueError(f"{type(block).__name__}: router has {num_experts} experts, config.{experts_field}="
                          f"{getattr(config, experts_field)}")
-    inter = down.shape[-1]
+    inter = down.shape[-2] if layout.transposed else down.shape[-1]
+    activation = ClampedSwiGLU(*(float(getattr(config, f)) for f in fmt.clamped_swiglu)) if fmt.clamped_swiglu \
+        else None
     shared = getattr(block, fmt.shared) if fmt.shared else None
     n_group, topk_group = (int(getattr(config, f) or 1) for f in fmt.group_fields) if fmt.group_fields else (1, 1)
     moe = MoE(hidden, inter, num_experts, config.num_experts_per_tok, score_func=fmt.score_func,
@@ -238,14 +297,20 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
               shared_intermediate_size=0 if shared is None else shared.down_proj.in_features,
               shared_expert_gate=fmt.shared_gate is not None, shared_expert_name=fmt.shared or "shared_expert",
               normalize_topk=True if norm_field is None else bool(getattr(config, norm_field)),
+              router_name=fmt.router, router_bias=router_bias is not None, expert_layout=layout,
+              expert_biases=biased, **({} if activation is None else {"expert_activation": activation}),
               aux_loss_coef=options.get("aux_loss_coef", 0.0), z_loss_coef=options.get("z_loss_coef", 0.0),
               bias_update_rate=options.get("bias_update_rate", 0.0),
               capacity_factor=options.get("capacity_factor"), expert_backend=options.get("expert_backend", "auto"),
               init_std=getattr(config, "initializer_range", 0.02), device="meta", dtype=gate_up.dtype)
-    # The block's own Parameters: HF 5.x's fused layout is already GroupedExperts' (from_hf_layout is
-    # the identity for these models), and optimizer/FSDP references to them stay valid.
+    # The block's own Parameters: GroupedExperts reads HF 5.x's fused layout as stored (the row
+    # layout, or gpt-oss's transposed interleaved one), and optimizer/FSDP references stay valid.
     moe.gate.weight = router_weight
+    if router_bias is not None:
+        moe.gate.bias = router_bias
     moe.experts.gate_up_proj, moe.experts.down_proj = gate_up, down
+    if biased:
+        moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias
     if shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(moe.shared_expert, name).weight = getattr(shared, name).weight
@@ -256,7 +321,18 @@ def _convert_hf_block(block: nn.Module, config: Any, **options: Any) -> MoE:
     init_moe_buffers(moe, router_weight.device)
     moe.keep_router_stats = bool(getattr(config, "output_router_logits", False))
     moe.register_forward_hook(_feed_hf_router_logits)
+    if fmt.returns_pair:
+        moe.register_forward_hook(_as_hf_pair)
     return moe
+
+
+def _as_hf_pair(moe: MoE, args: tuple, output: Tensor) -> tuple[Tensor, None]:
+    """The block's output as the HF decoder layer unpacks it: `hidden, _ = self.mlp(hidden)`.
+
+    A bare [B, S, H] tensor would unpack along the batch without an error (two rows for B = 2);
+    the second item (HF's router scores) is discarded by the layer, so None stands in for it.
+    """
+    return output, None
 
 
 @functools.cache
@@ -285,7 +361,8 @@ def _feed_hf_router_logits(moe: MoE, args: tuple, output: Tensor) -> None:
     if collected is None or "router_logits" not in collected:
         return
     x_TH = args[0].reshape(-1, moe.hidden_size)
-    collected["router_logits"].append(F.linear(x_TH, moe.gate.weight.to(x_TH.dtype)))
+    bias = None if moe.gate.bias is None else moe.gate.bias.to(x_TH.dtype)
+    collected["router_logits"].append(F.linear(x_TH, moe.gate.weight.to(x_TH.dtype), bias))
 
 
 def hf_aux_loss(model: nn.Module) -> Tensor | None:

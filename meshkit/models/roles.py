@@ -32,7 +32,8 @@ _PLAN_ROLES = {
     "rowwise": "rowwise",
     "rowwise_split_input": "rowwise",
 }
-# Used when a config declares no plan (older configs): Llama's, which every family here extends.
+# Used when a config's plan declares nothing for the decoder blocks (older configs; gpt-oss's names
+# only the embedding): Llama's, which every family here extends.
 _DEFAULT_PLAN = {
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
     "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
@@ -58,6 +59,19 @@ def score_value_dims(config) -> tuple[int, int, int]:
     return heads, head_dim, head_dim
 
 
+def kernel_dims(config) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head dim) of the q, k and v the attention kernels receive: what
+    context parallelism moves. `attention_dims`, except for multi-head latent attention (DeepSeek-V3),
+    where every head has its own K and V (up-projected from the latent) and q, k and v share one head
+    dim, max(qk_nope + qk_rope, v_head_dim): meshkit zero-pads the narrower side for the kernels and the
+    ring's packed K/V buffer (`context_parallel.hf`), and cuts the output back after attention."""
+    heads, kv_heads, head_dim = attention_dims(config)
+    if getattr(config, "kv_lora_rank", None):
+        _, d_qk, d_v = score_value_dims(config)
+        return heads, heads, max(d_qk, d_v)
+    return heads, kv_heads, head_dim
+
+
 def attention_params(config) -> int:
     """Parameters of one block's attention from the config alone: Llama's q/k/v/o (with biases when
     `attention_bias`), or multi-head latent attention's down projections, latent norms and up
@@ -78,10 +92,29 @@ def attention_params(config) -> int:
 
 
 def declared_block_plan(config) -> dict[str, str]:
-    """The config's tensor-parallel plan for one decoder block: {name in block: HF style}."""
-    plan = getattr(config, "base_model_tp_plan", None) or _DEFAULT_PLAN
+    """The config's tensor-parallel plan for one decoder block: {name in block: HF style}; Llama's
+    when the config declares nothing for the blocks."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
     prefix = "layers.*."
-    return {key[len(prefix):]: style for key, style in plan.items() if key.startswith(prefix)}
+    declared = {key[len(prefix):]: style for key, style in plan.items() if key.startswith(prefix)}
+    return declared or dict(_DEFAULT_PLAN)
+
+
+def head_params(block: nn.Module, config) -> list[str]:
+    """The attention module's own per-query-head parameters (gpt-oss's `sinks`: one logit per head
+    in every row's softmax denominator), by name in the block.
+
+    Read from the structure: a 1-D parameter of the attention module itself (not of its linears)
+    with one entry per query head. Newer plans declare such a parameter `colwise`
+    (`layers.*.self_attn.sinks`); gpt-oss's declares nothing. Under TP each belongs with the query
+    heads a rank computes, so it is split like them (Shard(0)), also when K/V heads are replicated.
+    """
+    heads, _, _ = attention_dims(config)
+    attn = getattr(block, "self_attn", None)
+    if attn is None:
+        return []
+    return [f"self_attn.{name}" for name, p in attn.named_parameters(recurse=False)
+            if p.ndim == 1 and p.shape[0] == heads]
 
 
 def _is_norm(module: nn.Module) -> bool:

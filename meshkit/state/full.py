@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshkit.mesh import axis
@@ -89,15 +90,35 @@ def init_weights(pm: ParallelModel, seed: int = 0) -> None:
 
 
 def materialise(pm: ParallelModel) -> None:
-    """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta."""
+    """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta.
+
+    Every parameter keeps its identity, so an optimizer built on the meta model (before a checkpoint
+    load) still holds the model's parameters afterwards.
+    """
     parts = pm.model_parts
     if not any(t.is_meta for part in parts for t in [*part.parameters(), *part.buffers()]):
         return
     for part in parts:
+        _swap_plain_parameters(part, pm.device)
         part.to_empty(device=pm.device)
         moe_models.init_moe_buffers(part, pm.device, hf_buffers=True)  # balancing buffers are not parameters
     llama.reset_rotary(llama.parts(pm.model).rotary, pm.device)
     llama.reset_scalar_buffers(pm.model)
+
+
+def _swap_plain_parameters(module: nn.Module, device: torch.device) -> None:
+    """Move plain meta parameters to `device` in place (`swap_tensors`: same Python objects).
+
+    `Module.to_empty` swaps DTensor parameters (FSDP, TP) in place, but replaces a plain parameter by a
+    new `Parameter` (meta and CPU tensors are not shallow-copy compatible), which orphaned the
+    parameters an optimizer already holds: plans without FSDP or TP on some weights (`pp=2` alone, TP
+    without SP's norms) and tied weights shared by two modules.
+    """
+    for sub in module.modules():
+        for param in sub._parameters.values():
+            if param is not None and param.is_meta and not isinstance(param, DTensor):
+                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, real)
 
 
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:

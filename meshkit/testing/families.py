@@ -37,10 +37,17 @@ FAMILY_FIELDS: dict[str, tuple] = {
     "deepseek_v3": (("q_lora_rank", 16), ("kv_lora_rank", 12), ("qk_rope_head_dim", 4), ("qk_nope_head_dim", 8),
                     ("v_head_dim", 6), ("n_group", 2), ("topk_group", 1), ("routed_scaling_factor", 2.5),
                     ("n_shared_experts", 1), ("first_k_dense_replace", 1)),
+    # gpt-oss: per-head attention sinks, a sliding layer then a full one (window shorter than the
+    # sequence), attention biases, a biased router; biased experts stored transposed and interleaved
+    # with a clamped SwiGLU whose limit sits inside the tiny model's pre-activations (about 0.1).
+    "gpt_oss": (("sliding_window", 4), ("layer_types", ["sliding_attention", "full_attention"]),
+                ("swiglu_limit", 0.05), ("attention_bias", True),
+                ("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})),
 }
 # The ModelSpec fields every MoE family's tiny model uses.
 MOE_FIELDS = {"experts": 4, "top_k": 2, "intermediate": 16}
-MOE_KINDS = ("qwen2_moe", "olmoe", "deepseek_v3")
+MOE_KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 # Families whose attention has no K/V grouping (MLA: every head has its own K and V).
 _KV_HEADS = {"deepseek_v3": 4}
 
@@ -49,7 +56,7 @@ def family_spec(kind: str, **fields) -> ModelSpec:
     """The tiny `ModelSpec` of family `kind` (any ModelSpec field may be overridden)."""
     defaults = {**(MOE_FIELDS if kind in MOE_KINDS else {}),
                 **({"kv_heads": _KV_HEADS[kind]} if kind in _KV_HEADS else {})}
-    return ModelSpec(kind=kind, extra=FAMILY_FIELDS[kind], **{**defaults, **fields})
+    return ModelSpec(**{"kind": kind, "extra": FAMILY_FIELDS[kind], **defaults, **fields})
 
 
 def ring_refusal(kind: str, seq: int) -> str | None:

@@ -37,8 +37,9 @@ MODEL_CLASSES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
-HF_MOE_KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
+HF_MOE_KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 # Families whose default special-token ids lie outside a tiny vocabulary: set them inside it.
 _SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _ORIGINAL_KINDS = ("llama", "qwen3", "qwen2", "mistral", "mixtral", "qwen3_moe")
@@ -77,6 +78,8 @@ class ModelSpec:
                          moe_intermediate_size=self.intermediate)
         elif self.kind == "olmoe":
             extra = dict(extra, num_experts=self.experts, num_experts_per_tok=self.top_k)
+        elif self.kind == "gpt_oss":
+            extra = dict(extra, num_local_experts=self.experts, num_experts_per_tok=self.top_k)
         elif self.kind == "deepseek_v3":
             extra = dict(extra, n_routed_experts=self.experts, num_experts_per_tok=self.top_k,
                          moe_intermediate_size=self.intermediate)
@@ -107,6 +110,12 @@ class ModelSpec:
             bias = getattr(module, "e_score_correction_bias", None)
             if bias is not None and not bias.is_meta:
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.1)
+            # Expert biases far from zero too (gpt-oss; HF initialises them to zeros), so they matter.
+            for name in ("gate_up_proj_bias", "down_proj_bias"):
+                bias = getattr(module, name, None)
+                if bias is not None and not bias.is_meta:
+                    with torch.no_grad():
+                        bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
         # HF's eager attention where its SDPA path would drop a quirk (Gemma-2's soft-capping).
         model.config._attn_implementation = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
         return model

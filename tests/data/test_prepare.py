@@ -105,7 +105,7 @@ def test_val_fraction_is_deterministic_and_by_document(corpus, tmp_path):
 def test_small_inputs_tokenize_in_fewer_processes():
     """Start-up dominates small inputs: a process per BYTES_PER_PROCESS of input, at most `workers`."""
     per = prepare_module.BYTES_PER_PROCESS
-    assert prepare_module.tokenizing_processes(8, 800_000) == 1  # the stdlib sample of benchmarks/data.py
+    assert prepare_module.tokenizing_processes(8, 800_000) == 1  # the demo corpus (0.8 MB of stdlib source)
     assert prepare_module.tokenizing_processes(8, 3 * per) == 3
     assert prepare_module.tokenizing_processes(2, 100 * per) == 2
     assert prepare_module.tokenizing_processes(1, 100 * per) == 1

@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
+from tests_support import CI_PROFILE
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshkit
@@ -23,6 +24,7 @@ from meshkit import estimate as est
 from meshkit.comm_counter import CommCounter
 from meshkit.estimate import search as plan_search
 from meshkit.plan import Plan
+from meshkit.testing.families import family_spec
 
 MODEL = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, vocab_size=96)
@@ -58,12 +60,29 @@ def _size_of(label: str) -> int:
     return dist.get_world_size(_resolve_process_group(label.removeprefix("group:")))
 
 
-def _count_on_rank(plans: dict[str, str]) -> dict[str, dict[str, int]]:
+# Multi-head latent attention (DeepSeek-V3, a dense first block and an MoE one): K has qk_nope + qk_rope
+# = 12 dims per head and V 6, padded to 12 for the kernels and the ring's packed buffer; every head has
+# its own K and V. Estimating with the rope head dim (4) or the K/V heads of the config would miss.
+# CI runs the zig-zag ring and Ulysses; other profiles the all-gather kind in bf16 with fp32 reduction
+# too (full AC: selective AC with cp on this model fails in meshkit's recompute, a CheckpointError).
+MLA_PLANS = {"zigzag/fp32": f"{KINDS['zigzag']},{DTYPES['fp32']}",
+             "ulysses/fp32": f"{KINDS['ulysses']},{DTYPES['fp32']}"}
+if not CI_PROFILE:
+    MLA_PLANS["allgather/bf16_reduce_fp32"] = (f"{KINDS['allgather']},param_dtype=bfloat16,reduce_dtype=float32,"
+                                               "activation_checkpointing=full")
+
+
+def _mla_config():
+    return family_spec("deepseek_v3", vocab=MODEL["vocab_size"]).config()
+
+
+def _count_on_rank(plans: dict[str, str], family: str = "llama") -> dict[str, dict[str, int]]:
     """Bytes per (kind, group size) of one forward_backward under each plan (scalars left out)."""
     out = {}
     for key, text in plans.items():
         torch.manual_seed(0)
-        pm = meshkit.parallelize(LlamaForCausalLM(_config()), Plan.from_string(text))
+        model = LlamaForCausalLM(_config()) if family == "llama" else family_spec(family, vocab=MODEL["vocab_size"]).build()
+        pm = meshkit.parallelize(model, Plan.from_string(text))
         pm.check_inputs = False  # its few-byte agreement checks are not part of the estimate
         ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         with CommCounter(pm.mesh) as counter:
@@ -83,11 +102,12 @@ def counted(dist) -> list[dict[str, dict[str, int]]]:
     return dist(4).run(_count_on_rank, PLANS, timeout=600)
 
 
-def _predicted(plan: Plan) -> dict[str, float]:
-    state = est.model_state(_config(), plan)
+def _predicted(plan: Plan, config=None) -> dict[str, float]:
+    config = config or _config()
+    state = est.model_state(config, plan)
     work = est.Workload(seq=SEQ, mbs=BATCH, microbatches=1)  # BATCH rows per data rank
     predicted: dict[str, float] = {}
-    for c in est.communication(_config(), plan, work, est.DEVICES["h100"], state, 1.0, 0.0):
+    for c in est.communication(config, plan, work, est.DEVICES["h100"], state, 1.0, 0.0):
         kinds = ("send", "recv") if c.kind == "p2p" else (c.kind,)
         for kind in kinds:  # a ring exchange is one send and one receive of one buffer
             predicted[f"{kind}@{c.group}"] = predicted.get(f"{kind}@{c.group}", 0) + c.calls * c.buffer
@@ -100,6 +120,23 @@ def test_cp_bytes_match_comm_counter_every_kind_and_dtype(counted, key: str) -> 
     predicted = _predicted(plan)
     assert any(k.endswith("@2") for k in predicted), "the plan should move CP bytes over a 2-rank group"
     for rank, by_plan in enumerate(counted):
+        assert by_plan[key] == pytest.approx(predicted), f"{key}, rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def mla_counted(dist) -> list[dict[str, dict[str, int]]]:
+    return dist(4).run(_count_on_rank, MLA_PLANS, "deepseek_v3", timeout=600)
+
+
+@pytest.mark.parametrize("key", sorted(MLA_PLANS))
+def test_mla_cp_bytes_match_comm_counter(mla_counted, key: str) -> None:
+    """What the ring, all-gather and Ulysses kinds move for MLA: K at qk_nope + qk_rope dims, V padded
+    to them, one K/V head per query head. Every collective of the step (CP, FSDP of the dense block,
+    the MoE block and its experts) byte for byte."""
+    plan = Plan.from_string(MLA_PLANS[key]).resolve(4)
+    predicted = _predicted(plan, _mla_config())
+    assert any(k.endswith("@2") for k in predicted), "the plan should move CP bytes over a 2-rank group"
+    for rank, by_plan in enumerate(mla_counted):
         assert by_plan[key] == pytest.approx(predicted), f"{key}, rank {rank}"
 
 

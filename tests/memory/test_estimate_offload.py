@@ -12,23 +12,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
-import meshkit
 from meshkit import estimate as est
 from meshkit.estimate import search as plan_search
 from meshkit.estimate.offload import ADAMW_HOST_BYTES, offload_cost
 from meshkit.estimate.report import render
-from meshkit.mesh import axis
 from meshkit.plan import Plan
+from tests.memory.estimate_mesh import BATCH, SEQ, after_one_step, coordinates, local_bytes, model_config
 
-MODEL = dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
-             num_key_value_heads=2, head_dim=8, vocab_size=258)
-SEQ, BATCH, CALLS = 16, 2, 2
+CALLS = 2
 RUNS = [
     "dp_shard=4,zero=3,offload=params",
     "tp=2,dp_shard=2,zero=2,offload=optimizer,grad_sync=last_microbatch,param_dtype=bfloat16",
@@ -61,28 +57,16 @@ def measure_copies(runs: list[str]) -> list[dict]:
     model state the rank keeps in host memory."""
     out = []
     for text in runs:
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "offloading saves nothing here": this machine has no GPU
-            pm = meshkit.parallelize(LlamaForCausalLM(LlamaConfig(max_position_embeddings=64, **MODEL)),
-                                     Plan.from_string(text))
-        pm.check_inputs = False
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        pm.forward_backward(ids, ids)
-        opt.step()
+        pm, opt, ids = after_one_step(text)
         with fsdp_copies() as counts:
             for c in range(CALLS):
                 pm.forward_backward(ids, ids, last_microbatch=c == CALLS - 1)
         params = list(pm.parameters())
         tensors = [*params, *(p.grad for p in params if p.grad is not None),
                    *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        host = sum(t.numel() * t.element_size() for t in local)
-        on_cpu = all(t.device.type == "cpu" for t in local)
-        out.append({"h2d": counts["all_gather_inputs"], "d2h": counts["foreach_reduce"], "host": host,
-                    "on_cpu": on_cpu, "tp_rank": pm.mesh["tp"].get_local_rank(),
-                    "fsdp_rank": axis(pm.mesh, "dp_shard_cp").get_local_rank()})
+        on_cpu = all((t.to_local() if hasattr(t, "to_local") else t).device.type == "cpu" for t in tensors)
+        out.append({"h2d": counts["all_gather_inputs"], "d2h": counts["foreach_reduce"], "host": local_bytes(tensors),
+                    "on_cpu": on_cpu, **coordinates(pm)})
     return out
 
 
@@ -95,7 +79,7 @@ def copies(dist) -> list[list[dict]]:
 def test_host_link_bytes_equal_fsdp2s_copies(copies, index):
     """H2D: a padded fp32 shard per all-gather (per call and again in backward under ZeRO-3, once per
     window under ZeRO-2); D2H: the fp32 gradient shard per reduction; host: every shard's state."""
-    config, plan = LlamaConfig(**MODEL), Plan.from_string(RUNS[index]).resolve(4)
+    config, plan = model_config(), Plan.from_string(RUNS[index]).resolve(4)
     workload = est.Workload(seq=SEQ, mbs=BATCH, microbatches=CALLS)
     for rank, per_rank in enumerate(copies):
         r = per_rank[index]

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import meshkit
 from meshkit import estimate as est
 from meshkit._compat import fsdp_unsharded_tensors, storage_key, storage_nbytes
 from meshkit.comm_counter import CommCounter
 from meshkit.estimate.zero import meshkit_formula, paper_model_states, zero_memory
-from meshkit.mesh import axis
 from meshkit.plan import Plan
 from meshkit.zero.stages import fsdp_roots
+from tests.memory.estimate_mesh import BATCH, SEQ, after_one_step, coordinates, local_bytes, model_config
 
-# Uneven FSDP shards on purpose (35 gate rows per tp rank, a 129-row vocabulary half).
-MODEL = dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
-             num_key_value_heads=2, head_dim=8, vocab_size=258)
-SEQ, BATCH = 16, 2
 # Every stage and policy, over plain FSDP, TP + FSDP in bf16 with fp32 reduction, and pipelining.
 RUNS = [
     "dp_shard=4,zero=1,grad_sync=last_microbatch",
@@ -38,25 +32,12 @@ RUNS = [
 ]
 
 
-def _bytes(tensors) -> int:
-    """Bytes of the local parts (a DTensor's shard on this rank)."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
-
-
 def measure_windows(runs: list[str]) -> list[dict]:
     """Per plan: what one rank holds between the two calls of a window (after a first step), and the
     bytes FSDP moves over the window, by collective."""
     out = []
     for text in runs:
-        torch.manual_seed(0)
-        pm = meshkit.parallelize(LlamaForCausalLM(LlamaConfig(max_position_embeddings=64, **MODEL)),
-                                 Plan.from_string(text))
-        pm.check_inputs = False
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        pm.forward_backward(ids, ids)
-        opt.step()
+        pm, opt, ids = after_one_step(text)
         opt.zero_grad(set_to_none=True)
         params = list(pm.parameters())
         with CommCounter(pm.mesh) as counter:
@@ -67,20 +48,18 @@ def measure_windows(runs: list[str]) -> list[dict]:
                 gathered += g
                 unreduced += u
             held = {
-                "master": _bytes(params),
-                "grads": _bytes(p.grad for p in params if p.grad is not None),
-                "optimizer": _bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+                "master": local_bytes(params),
+                "grads": local_bytes(p.grad for p in params if p.grad is not None),
+                "optimizer": local_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
                 "gathered": sum({storage_key(t): storage_nbytes(t) for t in gathered}.values()),
-                "window_grads": _bytes(unreduced),
+                "window_grads": local_bytes(unreduced),
             }
             pm.forward_backward(ids, ids)
         fsdp = {"all_gather": 0, "reduce_scatter": 0}
         for kind, label, nbytes in counter.events:
-            if label in ("dp_shard", "dp_shard_cp") and kind in fsdp:  # one group when cp = 1
+            if label == "dp_shard_cp" and kind in fsdp:
                 fsdp[kind] += nbytes
-        out.append({"held": held, "comm": fsdp, "pp_rank": pm.mesh["pp"].get_local_rank(),
-                    "tp_rank": pm.mesh["tp"].get_local_rank(),
-                    "fsdp_rank": axis(pm.mesh, "dp_shard_cp").get_local_rank()})
+        out.append({"held": held, "comm": fsdp, **coordinates(pm)})
     return out
 
 
@@ -91,7 +70,7 @@ def windows(dist) -> list[list[dict]]:
 
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=RUNS)
 def test_held_memory_between_calls_is_exact(windows, index):
-    config, plan = LlamaConfig(**MODEL), Plan.from_string(RUNS[index]).resolve(4)
+    config, plan = model_config(), Plan.from_string(RUNS[index]).resolve(4)
     for rank, per_rank in enumerate(windows):
         r = per_rank[index]
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
@@ -111,7 +90,7 @@ def test_held_memory_between_calls_is_exact(windows, index):
 def test_fsdp_bytes_of_a_window_match_the_estimate(windows, index):
     """All-gathers once per window under ZeRO-1/2, per call and again in backward under ZeRO-3;
     reduce-scatters per call or once, as grad_sync says."""
-    config, plan = LlamaConfig(**MODEL), Plan.from_string(RUNS[index]).resolve(4)
+    config, plan = model_config(), Plan.from_string(RUNS[index]).resolve(4)
     workload = est.Workload(seq=SEQ, mbs=BATCH // plan.microbatches, microbatches=2 * plan.microbatches)
     for rank, per_rank in enumerate(windows):
         r = per_rank[index]

@@ -14,14 +14,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
 
 
-def train_windows(plan: str, spec: ModelSpec, calls: int = 2, steps: int = 2) -> dict:
+def train_windows(plan: str, spec: ModelSpec, calls: int = 2, steps: int = 2, keep: bool = False) -> dict:
     """`steps` optimizer steps, each over a window of `calls` forward_backward calls, sharded and on one
-    process side by side; the worst differences (run on every rank)."""
+    process side by side; the worst differences (run on every rank). `keep`: also each window's loss
+    and the final full state dict, to compare two sharded runs with each other."""
     ref = spec.build()
     pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=ADAM_EPS)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=ADAM_EPS)
-    out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "param": 0.0, "missing": []}
+    out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "param": 0.0, "missing": [], "losses": []}
     ref_params = dict(ref.named_parameters())
     for step in range(steps):
         batches = [BatchSpec(batch=4, seq=8, ignore=0.3, seed=10 * step + c).make(spec.vocab) for c in range(calls)]
@@ -34,6 +35,7 @@ def train_windows(plan: str, spec: ModelSpec, calls: int = 2, steps: int = 2) ->
                                        last_microbatch=c == calls - 1).item()
                    for c, (ids, labels) in enumerate(batches))
         out["loss"] = max(out["loss"], abs(loss - ref_loss.item()))
+        out["losses"].append(loss)
         for name, p in pm.named_parameters():
             if p.grad is None:
                 out["missing"].append(name)
@@ -47,6 +49,8 @@ def train_windows(plan: str, spec: ModelSpec, calls: int = 2, steps: int = 2) ->
         opt.zero_grad()
     state = pm.full_state_dict()
     out["param"] = max((state[n].float() - p).abs().max().item() for n, p in ref.state_dict().items())
+    if keep:
+        out["state"] = state
     return out
 
 

@@ -1,6 +1,7 @@
 """Hypothesis over the config fields that change the math: family, K/V heads against tp (split or
 replicated), head_dim, tied embeddings, rope scaling, windows against the sequence length, under a
-drawn plan shape on 4 ranks, against the single-device HF model."""
+drawn plan shape on 4 ranks, against the single-device HF model; for the MoE families, the routing
+(top-k, its renormalisation, DeepSeek-V3's groups), shared experts and dense blocks in the stack."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import os
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests_support import assert_matches_reference
+from tests_support import assert_matches_reference, examples
 
-from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS
+from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, family_spec
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
 
 # Families whose tiny config takes every drawn field (Phi-3's packed attention keeps kv | heads too);
-# the MoE families (experts, MLA) run in test_families.py.
+# the MoE families (experts, MLA) draw their own fields (`moe_cases`).
 KINDS = sorted(k for k in FAMILY_FIELDS if k not in ("gemma2", *MOE_KINDS))
 
 
@@ -49,6 +50,45 @@ def cases(draw):
 @settings(max_examples=3 if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else 30)
 @given(cases())
 def test_math_changing_fields(dist, case):
+    plan, model, batch = case
+    results = dist(4).run(_compare_on_rank, plan, model, batch)
+    assert_matches_reference(results, f"{plan} on {model}")
+
+
+@st.composite
+def moe_cases(draw):
+    """An MoE family with the fields that change its routing and its stack drawn: top-k and whether
+    it is renormalised, DeepSeek-V3's groups (n_group / topk_group), shared experts and dense first
+    blocks, Qwen2-MoE's dense blocks (`mlp_only_layers`, `decoder_sparse_step`), OLMoE's q/k/v clamp,
+    K/V heads against tp; under TP x EP, Ulysses, the pipeline or EP alone."""
+    kind = draw(st.sampled_from(list(MOE_KINDS)))
+    fields = dict(FAMILY_FIELDS[kind])
+    top_k = draw(st.sampled_from([1, 2]))
+    fields["norm_topk_prob"] = draw(st.booleans())
+    kv = 4
+    if kind == "deepseek_v3":  # 4 experts: groups of 4 / n_group, top_k of the kept groups' experts
+        n_group, topk_group = draw(st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]))
+        fields.update(n_group=n_group, topk_group=topk_group, n_shared_experts=draw(st.sampled_from([0, 1])),
+                      first_k_dense_replace=draw(st.sampled_from([0, 1])))
+        top_k = min(top_k, topk_group * 4 // n_group)
+    elif kind == "qwen2_moe":
+        step = fields["decoder_sparse_step"] = draw(st.sampled_from([1, 2]))  # 2: block 0 dense, 1 MoE
+        fields["mlp_only_layers"] = draw(st.sampled_from([[], [0]] + ([[1]] if step == 1 else [])))
+        kv = draw(st.sampled_from([1, 2, 4]))  # 1: each K/V head replicated over the 2 tp ranks
+    else:
+        fields["clip_qkv"] = draw(st.sampled_from([None, 0.5]))
+        kv = draw(st.sampled_from([2, 4]))  # its k_norm spans all K/V heads: replication is refused
+    shapes = ["ulysses", "pp", "ep"] + ([] if kind == "deepseek_v3" else ["tp_ep"])  # MLA refuses tp
+    plan = {"tp_ep": "dp_shard=2,tp=2,ep=2", "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
+            "pp": "pp=2,dp_shard=2,pp_microbatches=2", "ep": "dp_shard=4,ep=2"}[draw(st.sampled_from(shapes))]
+    model = family_spec(kind, kv_heads=kv, top_k=top_k, seed=draw(st.integers(0, 99)))
+    model = dataclasses.replace(model, extra=tuple(fields.items()))
+    return plan, model, BatchSpec(batch=4, seq=8, seed=draw(st.integers(0, 99)))
+
+
+@examples(ci=1)
+@given(moe_cases())
+def test_moe_family_fields(dist, case):
     plan, model, batch = case
     results = dist(4).run(_compare_on_rank, plan, model, batch)
     assert_matches_reference(results, f"{plan} on {model}")

@@ -33,7 +33,7 @@ def _load_and_export(spec: ModelSpec, plan: str, source: str, target: str):
 FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 CASES = [("llama", "tp=2,dp_shard=2"), ("qwen2", "pp=2,dp_shard=2,pp_microbatches=2"), ("gemma2", "tp=2,dp_shard=2"),
          ("qwen2_moe", "dp_shard=4,ep=4"), ("olmoe", "tp=2,dp_shard=2"),
-         ("deepseek_v3", "cp=2,dp_shard=2,ep=4,cp_attention=zigzag")]
+         ("deepseek_v3", "cp=2,dp_shard=2,ep=4,cp_attention=zigzag"), ("gpt_oss", "tp=2,dp_shard=2,ep=2")]
 # CI: Gemma-2 (the dense family with quirks) and Qwen2-MoE (shared expert and its gate, experts over ep).
 CI_KINDS = ("gemma2", "qwen2_moe")
 

@@ -18,6 +18,7 @@ DENSE = ModelSpec(layers=4, vocab=96)
 MOE = ModelSpec(layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
 MIXTRAL = ModelSpec(kind="mixtral", layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
 GEMMA2 = family_spec("gemma2", vocab=96)  # soft-capping and a window shorter than the generated text
+GPT_OSS = family_spec("gpt_oss", vocab=96)  # sinks split over tp, windows, biased experts over ep, KV cache
 BATCH, SEQ, NEW = 4, 7, 6  # an odd length: every plan that splits the sequence must pad it
 
 
@@ -65,6 +66,7 @@ def _use_on_rank(plan: str, spec: ModelSpec) -> dict:
         ("dp_shard=2,tp=2,ep=2", MOE),
         ("pp=2,dp_shard=2,ep=2", MIXTRAL),
         ("tp=2,dp_shard=2", GEMMA2),
+        ("tp=2,dp_shard=2,ep=2", GPT_OSS),
     ],
 )
 def test_logits_and_greedy_tokens_match_the_single_device_model(dist, plan, spec):

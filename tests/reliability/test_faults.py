@@ -10,7 +10,6 @@ optimizer tensor of the final checkpoint equal an uninterrupted run's bit for bi
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import subprocess
@@ -23,17 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshkit
 from meshkit import _compat, heartbeat
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "recipes") not in sys.path:
-    sys.path.insert(0, str(ROOT / "recipes"))
-train_llama = importlib.import_module("train_llama")
-train_config = importlib.import_module("train_config")
-
+from tests.reliability.recipe_run import ROOT, checkpoint_tensors, recipe_toml, train_in_pool
 
 # --------------------------------------------------------------------------------------- heartbeat
 
@@ -81,40 +73,6 @@ def test_a_stopped_rank_is_named_by_every_peer(dist):
 
 # ------------------------------------------------------------------------------ torchrun restarts
 
-TOML = """
-[model]
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-vocab_size = 128
-max_position_embeddings = 128
-
-[plan]
-dp_shard = -1
-
-[train]
-steps = 9
-seq_len = 64
-local_batch = 4
-lr = 0.01
-warmup_steps = 1
-threads = 1
-log_every = 1
-save_every = 3
-resume = "auto"
-name = "run"
-heartbeat_s = 30
-timeout_s = 120
-"""
-
-
-def _uninterrupted(config: str, save_dir: str, log_dir: str) -> dict:
-    args = train_llama.build_parser().parse_args(["--config", config, "--save-dir", save_dir, "--log-dir", log_dir])
-    return train_llama.train(train_config.apply_cli(train_config.load_config(config), args))
-
-
 def _final_loss(log_dir: Path) -> float:
     values = {}
     for events in sorted((log_dir / "run").glob("events.*")):  # one file per launch, in launch order
@@ -122,13 +80,6 @@ def _final_loss(log_dir: Path) -> float:
         acc.Reload()
         values.update({e.step: e.value for e in acc.Scalars("train/loss")})
     return values[max(values)]
-
-
-def _tensors(checkpoint_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"{checkpoint_dir.parent.name}.pt"
-    dcp_to_torch_save(str(checkpoint_dir), str(out))
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if k.startswith(("model.", "optim.state."))}
 
 
 def _children(pid: int) -> list[int]:
@@ -142,15 +93,17 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.slow  # two torchrun launches of the recipe: minutes on 2 cores
 def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
     config = tmp_path / "tiny.toml"
-    config.write_text(TOML)
+    config.write_text(recipe_toml("dp_shard = -1", save_every=3, resume="auto"))
     ref_dir, ref_logs = tmp_path / "reference", tmp_path / "reference-runs"
-    reference = dist(2).run(_uninterrupted, str(config), str(ref_dir), str(ref_logs))[0]
+    reference = dist(2).run(train_in_pool, str(config), str(ref_dir), str(ref_logs))[0]
 
     save_dir, logs = tmp_path / "ckpt", tmp_path / "runs"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", "--monitor-interval", "0.2", str(ROOT / "recipes" / "train_llama.py"),
                "--config", str(config), "--save-dir", str(save_dir), "--log-dir", str(logs)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # A store per attempt: torchrun's shared store keeps the killed attempt's gloo addresses, and a
+    # restarted rank could connect to a dead peer (recipes/preflight.restart_store_warning).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     killed = None
@@ -171,9 +124,11 @@ def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
     assert launcher.returncode == 0, output[-4000:]
     assert "meshkit: resumed from" in output and f"{save_dir}/step-0000000" in output, output[-4000:]
     assert output.count("meshkit: collective timeout 120 s, heartbeat 30 s") == 2  # [train] timeout_s, per launch
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in output  # no warning: each attempt has its own store
 
     assert _final_loss(logs) == _final_loss(ref_logs) == reference["last_loss"]
-    ours, theirs = _tensors(save_dir / "step-00000009", tmp_path), _tensors(ref_dir / "step-00000009", tmp_path)
+    ours = checkpoint_tensors(save_dir / "step-00000009", tmp_path / "ours.pt")
+    theirs = checkpoint_tensors(ref_dir / "step-00000009", tmp_path / "theirs.pt")
     assert ours.keys() == theirs.keys() and len(ours) > 0
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name

@@ -11,7 +11,6 @@ bound, so a hang fails the test instead of hanging it. Process start-up dominate
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import signal
@@ -25,37 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed import TCPStore
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshkit
+from tests.reliability.recipe_run import ROOT, checkpoint_tensors, recipe_toml, train_in_pool, train_llama
 
-ROOT = Path(__file__).resolve().parents[2]
 FAULTY = ROOT / "tests" / "reliability" / "faulty_recipe.py"
-if str(ROOT / "recipes") not in sys.path:
-    sys.path.insert(0, str(ROOT / "recipes"))
-train_llama = importlib.import_module("train_llama")
-train_config = importlib.import_module("train_config")
 
 pytestmark = pytest.mark.slow
-
-MODEL = """
-[model]
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-vocab_size = 128
-max_position_embeddings = 128
-"""
-
-
-def _toml(plan: str, **train) -> str:
-    settings = {**dict(steps=9, seq_len=64, local_batch=4, lr=0.01, warmup_steps=1, threads=1, log_every=1,
-                       save_every=0, name="run", heartbeat_s=30, timeout_s=120), **train}
-    lines = [f"{k} = {v!r}".replace("'", '"') for k, v in settings.items()]
-    return MODEL + f"\n[plan]\n{plan}\n\n[train]\n" + "\n".join(lines) + "\n"
-
 
 class Job:
     """`nproc` recipe processes with one fault injected; each rank's output goes to `rank<r>.log`."""
@@ -114,23 +89,12 @@ class Job:
 # ------------------------------------------------------------------------------ killed during a save
 
 
-def _train_in_pool(config: str, save_dir: str, log_dir: str) -> dict:
-    args = train_llama.build_parser().parse_args(["--config", config, "--save-dir", save_dir, "--log-dir", log_dir])
-    return train_llama.train(train_config.apply_cli(train_config.load_config(config), args))
-
-
-def _tensors(checkpoint_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    dcp_to_torch_save(str(checkpoint_dir), str(out))
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if k.startswith(("model.", "optim.state."))}
-
-
 def test_killed_during_a_save_resumes_from_the_previous_checkpoint_bit_identically(dist, tmp_path):
     """SIGKILL of the whole job while step 6's checkpoint is half written (every shard on disk, DCP's
     metadata not yet): step 6 never appears, `latest` picks step 3 without a warning, and
     `--resume auto` trains on to the same final loss and tensors as an uninterrupted run."""
     config = tmp_path / "tiny.toml"
-    config.write_text(_toml("dp_shard = -1", save_every=3, resume="auto"))
+    config.write_text(recipe_toml("dp_shard = -1", save_every=3, resume="auto"))
     save_dir, marker = tmp_path / "ckpt", tmp_path / "paused"
     job = Job(tmp_path, config, 2, f"pause-save:6:{marker}", "--save-dir", str(save_dir),
               "--log-dir", str(tmp_path / "runs"))
@@ -145,12 +109,12 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint_bit_identical
         warnings.simplefilter("error")  # the half-written save is hidden, not a damaged checkpoint to warn about
         assert meshkit.checkpoint.latest(save_dir) == str(save_dir / "step-00000003")
 
-    resumed = dist(2).run(_train_in_pool, str(config), str(save_dir), str(tmp_path / "runs"))[0]
-    reference = dist(2).run(_train_in_pool, str(config), str(tmp_path / "reference"), str(tmp_path / "ref-runs"))[0]
+    resumed = dist(2).run(train_in_pool, str(config), str(save_dir), str(tmp_path / "runs"))[0]
+    reference = dist(2).run(train_in_pool, str(config), str(tmp_path / "reference"), str(tmp_path / "ref-runs"))[0]
     assert resumed["first_loss"] != reference["first_loss"]  # it resumed at step 4, not from scratch
     assert resumed["last_loss"] == reference["last_loss"]
-    ours = _tensors(save_dir / "step-00000009", tmp_path / "ours.pt")
-    theirs = _tensors(tmp_path / "reference" / "step-00000009", tmp_path / "theirs.pt")
+    ours = checkpoint_tensors(save_dir / "step-00000009", tmp_path / "ours.pt")
+    theirs = checkpoint_tensors(tmp_path / "reference" / "step-00000009", tmp_path / "theirs.pt")
     assert ours.keys() == theirs.keys() and ours
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
@@ -166,7 +130,7 @@ def test_a_stopped_rank_ends_its_peer_with_exit_3(tmp_path):
     ranks merely starved of CPU on a loaded 2-core machine) and exits with status 3,
     the documented code torchrun ends or restarts the job on."""
     config = tmp_path / "tiny.toml"
-    config.write_text(_toml("dp_shard = -1", steps=300, heartbeat_s=10))
+    config.write_text(recipe_toml("dp_shard = -1", steps=300, heartbeat_s=10))
     job = Job(tmp_path, config, 2, "none", "--log-dir", str(tmp_path / "runs"))
     # 20 steps: the heartbeat beats every heartbeat_s / 10 = 1 s, so rank 1 has reported a step by then
     job.wait_for(lambda: re.search(r"step +20/", job.log(0)), "step 20")
@@ -187,7 +151,7 @@ def test_a_rank_hung_outside_a_collective_ends_every_rank(tmp_path):
     30 min default for groups made without a timeout; rank 0's heartbeat then names the ranks that
     ended and exits 3. No rank is left running."""
     config = tmp_path / "tiny.toml"
-    config.write_text(_toml("tp = 2\ndp_shard = 2", steps=300, heartbeat_s=10, timeout_s=4))
+    config.write_text(recipe_toml("tp = 2\ndp_shard = 2", steps=300, heartbeat_s=10, timeout_s=4))
     marker = tmp_path / "hung"
     job = Job(tmp_path, config, 4, f"hang:0:clip_grad_norm_:2:{marker}", "--log-dir", str(tmp_path / "runs"))
     job.wait_for(marker.exists, "rank 0's hang")

@@ -28,9 +28,11 @@ MOE_2 = ModelSpec(experts=2)  # under dp_shard=4,ep=2 FSDP splits each expert's 
 BATCH = BatchSpec(batch=4, seq=8)
 
 
-def _setup(plan: str, spec: ModelSpec, init_seed: int):
+def _setup(plan: str, spec: ModelSpec, init_seed: int, materialise_first: bool = False):
     model = spec.build(device="meta")
     pm = meshkit.parallelize(model, meshkit.Plan.from_string(plan))
+    if materialise_first:  # the recipe's order on resume: real tensors before the optimizer is built
+        pm.materialise()
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     if init_seed >= 0:
@@ -68,9 +70,9 @@ def _train_save_continue(plan: str, spec: ModelSpec, path: str):
     return {"loss": loss, "digest": digest, "state": state if torch.distributed.get_rank() == 0 else None}
 
 
-def _resume_and_step(plan: str, spec: ModelSpec, path: str):
-    """Plan B: meta model, load (optimizer built before materialisation), one step."""
-    pm, optimizer, scheduler = _setup(plan, spec, init_seed=-1)
+def _resume_and_step(plan: str, spec: ModelSpec, path: str, materialise_first: bool = False):
+    """Plan B: meta model, load (optimizer built on the meta parameters unless `materialise_first`), one step."""
+    pm, optimizer, scheduler = _setup(plan, spec, init_seed=-1, materialise_first=materialise_first)
     torch.manual_seed(99)
     info = checkpoint.load(path, pm, optimizer, scheduler=scheduler)
     digest = _rng_digest()
@@ -108,14 +110,19 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    ("plan", "spec"),
-    [("tp=2,dp_shard=2", DENSE), ("pp=2,dp_shard=2", DENSE), ("dp_shard=4,ep=2", MOE), ("pp=2,tp=2", TIED)],
-    ids=["tp2dp2", "pp2dp2", "moe-dp4ep2", "tied-pp2tp2"],
+    ("plan", "world", "spec", "materialise_first"),
+    [("tp=2,dp_shard=2", 4, DENSE, False), ("pp=2,dp_shard=2", 4, DENSE, False), ("dp_shard=4,ep=2", 4, MOE, False),
+     ("pp=2,tp=2", 4, TIED, False),
+     # Without FSDP the plain (non-DTensor) parameters the optimizer was built on must survive materialisation.
+     ("pp=2", 2, DENSE, False), ("pp=2", 2, TIED, True), ("pp=2,tp=2,sequence_parallel=false", 4, DENSE, False),
+     ("pp=2,dp_shard=2,zero=1", 4, DENSE, False), ("pp=2,dp_shard=2,zero=2", 4, DENSE, True)],
+    ids=["tp2dp2", "pp2dp2", "moe-dp4ep2", "tied-pp2tp2", "pp2-on-2-ranks", "tied-pp2-materialised-first",
+         "pp2tp2-no-sp", "pp2dp2-zero1", "pp2dp2-zero2-materialised-first"],
 )
-def test_resume_same_plan_is_bit_identical(dist, saved, plan, spec):
-    path, before = saved(plan, 4, spec)
-    after = dist(4).run(_resume_and_step, plan, spec, path)
-    for rank in range(4):
+def test_resume_same_plan_is_bit_identical(dist, saved, plan, world, spec, materialise_first):
+    path, before = saved(plan, world, spec)
+    after = dist(world).run(_resume_and_step, plan, spec, path, materialise_first)
+    for rank in range(world):
         assert after[rank]["info"] == {"step": SAVED_STEPS, "extra": {"next": SAVED_STEPS}, "rng_restored": True}
         assert after[rank]["digest"] == before[rank]["digest"], f"rank {rank}: RNG state not restored"
         assert after[rank]["loss"] == before[rank]["loss"], f"rank {rank}: next-step loss differs"
