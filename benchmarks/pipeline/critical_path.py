@@ -13,7 +13,8 @@ by what it was doing. The parts sum to the measured step exactly:
   autograd backward, the deferred weight-gradient matmuls): what torch's runtime runs as well;
 - runtime in actions: a compute action's time outside its stage code and waits (the executor's
   bookkeeping: taking the received tensor, wiring gradients, storing outputs);
-- P2P post: starting sends and receives; delivery: a message in flight while its receiver waited;
+- P2P post, sends / receives: starting transfers (a batch holding a send counts as sends; on gloo
+  each transfer is its own event); delivery: a message in flight while its receiver waited;
 - loop: the executor between actions (and its checks on entry, its final waits on exit);
 - start/end: the rank's start after the first rank started (barrier release skew) plus the
   harness's timing calls around `run_schedule`.
@@ -29,7 +30,8 @@ from typing import Any
 
 from meshkit.pipeline.actions import Schedule, parse_action
 
-CATEGORIES = ("sleeps", "stage code", "runtime in actions", "P2P post", "delivery", "loop", "start/end")
+CATEGORIES = ("sleeps", "stage code", "runtime in actions", "P2P post: sends", "P2P post: receives", "delivery",
+              "loop", "start/end")
 
 
 def _overlap(a: float, b: float, start: float, end: float) -> float:
@@ -46,6 +48,8 @@ class _Rank:
         self.call = (call[0][2], call[0][3]) if call else (self.t0, self.t1)
         self.computes = [(e[1], e[2], e[3]) for e in events if e[0] == "compute"]
         self.posts = [(e[1], e[2], e[3]) for e in events if e[0] == "post"]
+        self.send_posts = [p for p in self.posts if any(text.startswith("SEND") for text in p[0])]
+        self.receive_posts = [p for p in self.posts if not any(text.startswith("SEND") for text in p[0])]
         self.waits = [(e[1], e[2], e[3]) for e in events if e[0] == "wait"]
         self.stages = [(e[1], e[2], e[3]) for e in events if e[0] == "stage"]
         self.sleeps = [(s[1], s[2]) for s in rec["sleeps"]]
@@ -57,13 +61,15 @@ class _Rank:
             return
         sleeps = _inside(a, b, self.sleeps)
         waits = _inside(a, b, self.waits)
-        posts = _inside(a, b, self.posts)
+        sends, receives = _inside(a, b, self.send_posts), _inside(a, b, self.receive_posts)
+        posts = sends + receives
         stages = _inside(a, b, self.stages)
         computes = _inside(a, b, self.computes)
         in_call = _overlap(a, b, *self.call)
         out["sleeps"] += sleeps
         out["delivery"] += waits  # a wait for a send posted before it began: the message was in flight
-        out["P2P post"] += posts
+        out["P2P post: sends"] += sends
+        out["P2P post: receives"] += receives
         out["stage code"] += max(stages - sleeps, 0.0)  # sleeps run inside the stage code
         out["runtime in actions"] += max(computes - stages - waits, 0.0)
         out["loop"] += max(in_call - computes - posts, 0.0)

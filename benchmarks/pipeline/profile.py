@@ -10,7 +10,7 @@ and costs none) and splits it by the executor's functions:
 - forward dispatch: `_RankRun._forward` (stage call, autograd graph recording, loss on the last stage)
 - backward (B / BW): `_RankRun._backward` (the autograd engine, hooks, the deferred-W bookkeeping)
 - W: `PendingWeightGrads.run` (the deferred weight-gradient matmuls and their accumulation)
-- P2P post: `Transfers.post` (building P2P ops, `batch_isend_irecv`)
+- P2P post: `_RankRun.post` (taking the tensors, checking them, posting each on gloo or as one batch)
 - P2P wait: `Transfers.take` and `Transfers.finish` (waits on receives and on the last sends)
 - checks: `_validate` (argument and schedule checks at every call)
 - the rest of `run_schedule`: the action loop itself and the FSDP/weight-grad context managers.
@@ -46,7 +46,7 @@ CATEGORIES: dict[str, tuple[str, str]] = {
     "forward dispatch": ("_forward", "pipeline/runtime.py"),
     "backward (B/BW)": ("_backward", "pipeline/runtime.py"),
     "W": ("run", "pipeline/weight_grad.py"),
-    "P2P post": ("post", "pipeline/p2p.py"),
+    "P2P post": ("post", "pipeline/runtime.py"),
     "P2P wait": ("take", "pipeline/p2p.py"),
     "P2P finish": ("finish", "pipeline/p2p.py"),
     "checks": ("_validate", "pipeline/runtime.py"),

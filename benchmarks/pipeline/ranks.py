@@ -151,13 +151,14 @@ class Variant:
 
 def meshkit_variant(name: str, schedule: Schedule, modules: dict[int, nn.Module], inputs: list[torch.Tensor],
                     loss_fn: Callable[[torch.Tensor, int], torch.Tensor], meta: TensorMeta,
-                    trace: bool = False) -> Variant:
-    """meshkit's runtime on this rank's modules; with `trace`, its timeline goes to TRACE."""
+                    trace: bool = False, runtime: str = "meshkit") -> Variant:
+    """meshkit's runtime on this rank's modules, named `runtime:name`; with `trace`, its timeline goes to
+    TRACE (the sleep section also times an untraced twin, "meshkit-untraced", for what tracing costs)."""
     def step() -> list[torch.Tensor]:
         return run_schedule(schedule, modules, pp_group=dist.group.WORLD, microbatch_inputs=inputs,
                             loss_fn=loss_fn, shapes=meta, trace=TRACE if trace else None)
 
-    return Variant(f"meshkit:{name}", step, lambda: _zero(modules.values()))
+    return Variant(f"{runtime}:{name}", step, lambda: _zero(modules.values()))
 
 
 def torch_variant(name: str, pipeline: torch_pp.TorchPipeline, modules: dict[int, nn.Module], batch: torch.Tensor,
@@ -313,8 +314,10 @@ def _sleep_section(spec: dict) -> dict[str, Any]:
     variants = []
     for name, v in spec["schedules"]:
         modules = make_modules(name, v)
-        variants.append(meshkit_variant(name, build_schedule(name, pp, m, v), modules, inputs,
-                                        lambda out, mb: sleep_loss(out, targets[mb]) / m, meta, trace=True))
+        for traced in (True, False):
+            variants.append(meshkit_variant(name, build_schedule(name, pp, m, v), modules, inputs,
+                                            lambda out, mb: sleep_loss(out, targets[mb]) / m, meta, trace=traced,
+                                            runtime="meshkit" if traced else "meshkit-untraced"))
     built, orders = ({}, {})
     if spec["torch"]:
         def metas(s: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:

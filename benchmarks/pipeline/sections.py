@@ -308,8 +308,10 @@ def overhead_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tupl
             cells = [ms(mine.step),
                      _ratio_cell(replay_ratios, schedule, recs, stage_times) if traced else "not traced",
                      _ratio_cell(sleep_ratios, schedule, ranks, f"meshkit:{name}")]
+            plain = timing(ranks, "sleep", f"meshkit-untraced:{name}")
+            cells.append(f"{paired_ratio(plain, mine):.3f}" if isinstance(plain, Timing) else "not run")
         else:
-            cells = [f"did not run: {mine}", "", ""]
+            cells = [f"did not run: {mine}", "", "", ""]
         order = torch_schedule(info["torch_orders"].get(name, "not built"), cls, p * v, m)
         if not isinstance(theirs, Timing):
             why = info["torch_refused"].get(name) or theirs
@@ -320,8 +322,9 @@ def overhead_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tupl
         rows.append([label(name, v), *cells, cls, ms(theirs.step), ratio,
                      f"{paired_ratio(mine, theirs):.3f}" if isinstance(mine, Timing) else "n/a"])
     return table(["schedule", "meshkit (ms)", "meshkit measured / sim at its per-action stage times",
-                  "meshkit measured / sim at its per-action sleeps", "torch class", "torch (ms)",
-                  "torch measured / sim of torch's order at its per-action sleeps", "meshkit / torch (paired)"], rows)
+                  "meshkit measured / sim at its per-action sleeps", "meshkit untraced / traced (paired)",
+                  "torch class", "torch (ms)", "torch measured / sim of torch's order at its per-action sleeps",
+                  "meshkit / torch (paired)"], rows)
 
 
 def breakdown_section(p: int, m: int, ranks: list[dict], schedules: Sequence[tuple[str, int]]) -> list[str]:

@@ -6,7 +6,8 @@ issued, finishes on every rank. The runtime issues the same actions in the same 
 only by being more eager: the transfers between two computes are posted as one batch (a send may go
 out before an earlier receive of the batch completed), a receive is posted one compute before the
 compute that consumes it (gloo moves a message only once the receiver has posted it, so this takes
-a round trip off the critical path), and it is waited on only just before that consumer. No send is
+a round trip off the critical path), or on gloo up to `RECEIVE_WINDOW` computes earlier where the
+rank waits anyway (`program.compile_rank`), and it is waited on only just before that consumer. No send is
 ever issued later than in the proven execution and no wait moves, so every wait is for a send the
 proof shows is issued. On gloo an `isend` returns at once and the
 transport's own threads finish it, so a pending send never needs its rank to make progress, which

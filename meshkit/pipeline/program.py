@@ -18,9 +18,11 @@ puts them, so the deadlock-freedom `simulate.check` proves still holds (see `p2p
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 from typing import NamedTuple
 
 from meshkit.pipeline.actions import Action, ActionKind, Schedule
+from meshkit.pipeline.simulate import simulate
 
 K = ActionKind
 COMM = frozenset({K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B})
@@ -42,8 +44,8 @@ class Post(NamedTuple):
 
 
 class Compute(NamedTuple):
-    """An F, B, BW or W; `received` is the tag of the receive it consumes, None if its input (F) or
-    output gradient (B/BW) is local or absent."""
+    """An F, B, BW or W; `received` is the tag of the receive it consumes (`receive`), None if its
+    input (F) or output gradient (B/BW) is local or absent."""
 
     action: Action
     position: int
@@ -51,6 +53,7 @@ class Compute(NamedTuple):
     stage: int
     microbatch: int
     received: int | None
+    receive: Action | None
 
 
 Step = tuple[tuple[Post, ...], Compute | None]
@@ -61,11 +64,37 @@ def tag(boundary: int, mb: int, num_microbatches: int, backward: bool) -> int:
     return 2 * (boundary * num_microbatches + mb) + int(backward)
 
 
+@functools.lru_cache(maxsize=16)
+def idle_before(schedule: Schedule) -> tuple[frozenset[int], ...]:
+    """Per rank, the indices of the computes it starts after waiting, in the simulator at unit costs."""
+    out = []
+    for spans in simulate(schedule).timeline:
+        waits, previous_end = set(), Fraction(0)
+        for j, span in enumerate(spans):
+            if span.start > previous_end:
+                waits.add(j)
+            previous_end = span.end
+        out.append(frozenset(waits))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=64)
-def compile_rank(schedule: Schedule, rank: int, lookahead: int) -> tuple[Step, ...]:
-    """This rank's actions as steps: (transfers to post as one batch, then one compute)."""
+def compile_rank(schedule: Schedule, rank: int, lookahead: int, window: int = 0) -> tuple[Step, ...]:
+    """This rank's actions as steps: (transfers to post as one batch, then one compute).
+
+    `window` > 0 (gloo, which matches by tag): a receive whose usual step is not one the rank starts
+    waiting is posted instead in the latest of the `window` steps before it that is, so that posting
+    it costs time the rank spends waiting anyway rather than time between two computes.
+    """
     owner, m, last = schedule.stage_to_rank(), schedule.num_microbatches, schedule.num_stages - 1
     actions = schedule.ranks[rank]
+    waits = idle_before(schedule)[rank] if window > 0 else frozenset()
+
+    def receive_step(usual: int) -> int:
+        for step in range(usual, max(usual - window, 0) - 1, -1):
+            if step in waits:
+                return step
+        return usual
 
     def post(a: Action, i: int) -> Post:
         s, mb = a.stage, a.microbatch
@@ -79,12 +108,11 @@ def compile_rank(schedule: Schedule, rank: int, lookahead: int) -> tuple[Step, .
 
     def compute(a: Action, i: int) -> Compute:
         s, mb = a.stage, a.microbatch
-        received = None
         if a.kind is K.F and s > 0 and owner[s - 1] != rank:
-            received = tag(s - 1, mb, m, False)
-        elif a.kind in (K.B, K.BW) and s < last and owner[s + 1] != rank:
-            received = tag(s, mb, m, True)
-        return Compute(a, i, a.kind, s, mb, received)
+            return Compute(a, i, a.kind, s, mb, tag(s - 1, mb, m, False), Action(K.RECV_F, s, mb))
+        if a.kind in (K.B, K.BW) and s < last and owner[s + 1] != rank:
+            return Compute(a, i, a.kind, s, mb, tag(s, mb, m, True), Action(K.RECV_B, s, mb))
+        return Compute(a, i, a.kind, s, mb, None, None)
 
     computes = [compute(a, i) for i, a in enumerate(actions) if a.kind not in COMM]
     posts: list[list[Post]] = [[] for _ in range(len(computes) + 1)]
@@ -93,7 +121,7 @@ def compile_rank(schedule: Schedule, rank: int, lookahead: int) -> tuple[Step, .
         if a.kind not in COMM:
             next_compute += 1
         elif a.kind in (K.RECV_F, K.RECV_B):
-            posts[max(next_compute - lookahead, 0)].append(post(a, i))
+            posts[receive_step(max(next_compute - lookahead, 0))].append(post(a, i))
         else:
             posts[next_compute].append(post(a, i))
     steps = [(tuple(posts[j]), computes[j] if j < len(computes) else None) for j in range(len(computes) + 1)]

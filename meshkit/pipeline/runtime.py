@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkit._compat import fsdp_post_backward
 from meshkit.data_parallel import reshard_fsdp
-from meshkit.pipeline.actions import Action, ActionKind, Schedule
+from meshkit.pipeline.actions import ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
 from meshkit.pipeline.program import COMM, Compute, Post, compile_rank
 from meshkit.pipeline.simulate import check
@@ -51,6 +51,8 @@ Shapes = TensorMeta | Mapping[int, TensorMeta] | Callable[[int, int], TensorMeta
 K = ActionKind
 #: A receive is posted this many compute actions before the compute that consumes it (see `program`).
 RECEIVE_LOOKAHEAD = 1
+#: On gloo, up to this many steps earlier still, into a step where the rank waits anyway (see `program`).
+RECEIVE_WINDOW = 16
 
 
 class TraceEvent(NamedTuple):
@@ -110,7 +112,8 @@ def run_schedule(
     current: Post | Compute | None = None
     with fsdp, (deferrable_linears(stages.values()) if splits else contextlib.nullcontext()):
         try:
-            for posts, compute in compile_rank(schedule, rank, RECEIVE_LOOKAHEAD):
+            window = 0 if run.p2p.batched else RECEIVE_WINDOW  # NCCL matches in posting order: keep it
+            for posts, compute in compile_rank(schedule, rank, RECEIVE_LOOKAHEAD, window):
                 if posts:
                     current = posts[0]
                     run.post(posts)
@@ -238,8 +241,7 @@ class _RankRun:
             return self.p2p.take(c.received)
         start = time.perf_counter()
         tensor = self.p2p.take(c.received)
-        kind = K.RECV_F if c.kind is K.F else K.RECV_B
-        self.trace.append(TraceEvent("wait", Action(kind, c.stage, c.microbatch), start, time.perf_counter()))
+        self.trace.append(TraceEvent("wait", c.receive, start, time.perf_counter()))
         return tensor
 
     def _transfer(self, p: Post) -> Transfer:

@@ -143,7 +143,15 @@ def test_critical_path_follows_the_message_the_last_rank_waited_for():
     # loop 8.0 .. 19.0, end 19.0 .. 20.0; delivery 4.0 .. 4.5; rank 0 from 0.0 to its post's end (4.0):
     # start 0.0 .. 0.2, loop 0.2 .. 0.5, stage code 2.4 - 2.0, bookkeeping 3.0 - 2.4, post 3.5 .. 4.0
     expected = {"sleeps": 2.0 + 2.0, "stage code": 0.9 + 0.4, "runtime in actions": 0.6 + 0.6,
-                "P2P post": 0.5, "delivery": 0.5, "loop": 11.0 + 0.3, "start/end": 1.0 + 0.2}
+                "P2P post: sends": 0.5, "P2P post: receives": 0.0, "delivery": 0.5, "loop": 11.0 + 0.3,
+                "start/end": 1.0 + 0.2}
     for category, seconds in expected.items():
         assert path[category] == pytest.approx(seconds, abs=1e-9), category
     assert sum(path[c] for c in CATEGORIES) == pytest.approx(20.0)
+
+    # gloo's trace has one event per transfer: the message leaves when its own send is posted, so
+    # the receive posted after it is off the path and the delivery starts 0.2 earlier
+    rank0["trace"][2:3] = [("post", ("SEND_F0.0",), 3.5, 3.8), ("post", ("RECV_B0.0",), 3.8, 4.0)]
+    path = critical_path(schedule, [rank0, rank1])
+    assert path["P2P post: sends"] == pytest.approx(0.3) and path["P2P post: receives"] == 0.0
+    assert path["delivery"] == pytest.approx(0.7) and sum(path[c] for c in CATEGORIES) == pytest.approx(20.0)
