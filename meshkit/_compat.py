@@ -106,6 +106,20 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
+def outside_dispatch_modes():
+    """A context in which no active TorchDispatchMode sees the ops that run (torch's private
+    `_disable_current_modes`).
+
+    For work that is not part of the model's computation but may first run inside it, such as a
+    one-off kernel probe: selective activation checkpointing caches op outputs by call order, so an
+    op the forward runs and its recompute does not would hand every later output of that op to the
+    wrong call; FLOP and communication counters would count it too.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def grouped_mm_op():
     """`torch._grouped_mm`, or None where this torch lacks it: the only fused grouped GEMM torch ships."""
     import torch

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshkit._compat import grouped_mm_op
+from meshkit._compat import grouped_mm_op, outside_dispatch_modes
 from meshkit.expert_parallel.expert_variants import (
     ROW_LAYOUT,
     Activation,
@@ -49,7 +49,10 @@ def _kernel_runs(device_type: str, device_index: int | None, dtype: torch.dtype,
         return False
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     try:
-        with torch.no_grad():
+        # The probe first runs inside the first MoE forward, possibly under selective activation
+        # checkpointing, whose recompute (probe cached by then) would not run it: outside every
+        # dispatch mode, it cannot shift the forward's cached outputs against the recompute's ops.
+        with torch.no_grad(), outside_dispatch_modes():
             a = torch.zeros(8, 8, device=device, dtype=dtype)
             b = torch.zeros(2, 8, 8, device=device, dtype=dtype)
             op(a, b if transposed else b.transpose(-2, -1), offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
