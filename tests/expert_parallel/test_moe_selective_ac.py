@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from tests_support import GRAD_TOL, LOSS_TOL, assert_matches_reference
 
@@ -57,3 +58,10 @@ def test_selective_checkpointing_under_fsdp_matches_hf(dist):
     plan = "dp_shard=2,activation_checkpointing=selective"
     results = dist(2).run(_first_moe_forward_checkpointed, plan, "olmoe", BATCH, timeout=300)
     assert_matches_reference(results, f"olmoe under {plan}")
+
+
+@pytest.mark.slow  # the same probe path as the dp_shard=2 case, with DeepSeek-V3's routing and CP on 4 ranks
+def test_selective_checkpointing_under_allgather_cp_matches_hf(dist):
+    plan = "dp_shard=2,cp=2,cp_attention=allgather,activation_checkpointing=selective"
+    results = dist(4).run(_first_moe_forward_checkpointed, plan, "deepseek_v3", BATCH, timeout=600)
+    assert_matches_reference(results, f"deepseek_v3 under {plan}")
