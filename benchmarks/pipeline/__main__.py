@@ -10,8 +10,9 @@ markdown:
 1. sleep stages (F, B and W each a fixed `time.sleep`, so a noisy shared CPU barely matters): for
    GPipe, 1F1B, interleaved 1F1B (v=2), ZB-H1, ZB-H2, ZB-V and DualPipeV (the V schedules: two
    stages per rank, each sleeping half), the measured step time against the simulator's
-   ideal for the same costs (and against the simulator fed the sleeps actually observed, which
-   leaves the runtime's own overhead, also expressed as an implied overhead per action), the
+   ideal for the same costs (and against the simulator replaying each repetition with every action
+   at what it took: its traced stage time, which leaves only the runtime's own overhead, or its
+   sleeps, which also leaves the stage code; `replay`), an implied overhead per action, the
    bubble fraction measured vs simulated vs the closed formula (and the simulated idle inside each
    rank's span: the papers' zero bubble for ZB-H2 and ZB-V), a check that every rank slept F, B
    and W in its action order, then ZB-H1's idle time against 1F1B's;

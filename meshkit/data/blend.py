@@ -79,8 +79,10 @@ class BlendedRows:
         return i, block * int(self.counts[i]) + int(self._rank[p])
 
     def sample(self, g: int) -> Row:
+        """Global sample g of the blend: the k-th sample of the store the weights assign g to."""
         i, k = self.source_of(g)
         return self.sources[i].sample(k)
 
     def identity(self) -> dict[str, Any]:
+        """Every store's fingerprint and the weights: a resume on other data or weights is refused."""
         return {"blend": {k: s.store.fingerprint for k, s in zip(self.names, self.sources)}, "weights": self.weights}

@@ -37,6 +37,8 @@ _DOC_ORDER, _ROW_ORDER = 0, 1
 
 @dataclass(frozen=True)
 class Row:
+    """One sample as numpy arrays, so packing stays free of torch and the loader converts once per batch."""
+
     input_ids: np.ndarray  # int64 [seq_len]
     labels: np.ndarray  # int64 [seq_len], -100 where no target
     position_ids: np.ndarray  # int64 [seq_len]

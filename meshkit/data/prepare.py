@@ -40,6 +40,8 @@ ERRORS = ("strict", "replace")
 
 @dataclass(frozen=True)
 class PrepareResult:
+    """What `prepare` did, so the CLI and callers can report a no-op re-run apart from a fresh write."""
+
     path: Path
     skipped: bool  # the store was already up to date
     manifest: dict[str, Any]

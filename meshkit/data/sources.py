@@ -68,12 +68,15 @@ TEXT = DocumentSource("text", _encode_text)
 
 @dataclass(frozen=True)
 class Inputs:
+    """The files an INPUT list resolved to, by kind, so each kind is read by its own reader."""
+
     text: list[Path]
     jsonl: list[Path]
     parquet: list[Path]
     saved: list[Path]  # `save_to_disk` directories
 
     def files(self) -> list[Path]:
+        """Every file read, in a fixed order: what the no-op re-run check fingerprints and the worker count sizes."""
         return self.text + self.jsonl + self.parquet + [f for d in self.saved for f in sorted(d.rglob("*")) if f.is_file()]
 
 

@@ -126,6 +126,8 @@ def write_store(path: str | os.PathLike, documents: list[np.ndarray], *, eos_id:
 
 @dataclass(frozen=True)
 class SplitInfo:
+    """A split's size, what `python -m meshkit.data info` prints without reading any token."""
+
     documents: int
     tokens: int
 
@@ -188,6 +190,7 @@ class TokenStore:
     # ----------------------------------------------------------------------------------- reading
     @property
     def num_documents(self) -> int:
+        """Documents in the store, train and val together (`split_info` gives one split's)."""
         return len(self.split_ids)
 
     @property
@@ -202,6 +205,7 @@ class TokenStore:
         return np.flatnonzero(self.split_ids == SPLITS[split]).astype(np.int64)
 
     def split_info(self, split: str) -> SplitInfo:
+        """Documents and tokens of one split, computed from the offsets (no token is read)."""
         docs = self.split_documents(split)
         lengths = np.asarray(self.offsets[docs + 1]) - np.asarray(self.offsets[docs])
         return SplitInfo(len(docs), int(lengths.sum()))
@@ -241,6 +245,7 @@ class TokenStore:
         return ranges
 
     def tokenizer_dir(self) -> Path:
+        """The tokenizer saved with the store: decoding and generation use the tokens' own vocabulary."""
         return self.path / TOKENIZER
 
     def __repr__(self) -> str:

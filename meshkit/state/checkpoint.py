@@ -325,8 +325,11 @@ def _create_state(optimizer: Optimizer, params: list[nn.Parameter]) -> None:
 
 
 def save_planner() -> DefaultSavePlanner:
-    # flatten_state_dict=False: the objects above are stored whole (one pickled item each) rather than
-    # flattened into one DCP key per dict entry.
+    """The DCP planner every meshkit save uses (also the async path), so all saves share one layout.
+
+    flatten_state_dict=False: the non-tensor objects (metadata, scheduler, RNG, loader state) are
+    stored whole, one pickled item each, rather than flattened into one DCP key per dict entry.
+    """
     return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 

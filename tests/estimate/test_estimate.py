@@ -369,11 +369,9 @@ def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
         for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
             label = f"{c.kind}@{c.axis}"
             predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
-        # Groups that coincide get one name: with cp = 1 the FSDP group is dp_shard's, and with
-        # ep = dp_shard x cp the ep group is the FSDP group. All-to-alls are the experts' (no Ulysses).
-        comm = {"all_to_all@ep" if k.startswith("all_to_all@") else
-                k.replace("@dp_shard", "@dp_shard_cp") if k.endswith("@dp_shard") else k: v
-                for k, v in r["comm"].items()}
+        # With ep = dp_shard x cp the ep group is the FSDP group (CommCounter names it dp_shard_cp):
+        # all-to-alls are the experts' here (no Ulysses).
+        comm = {"all_to_all@ep" if k.startswith("all_to_all@") else k: v for k, v in r["comm"].items()}
         counted = {k: v for k, v in comm.items()
                    if k.split("@")[1] in ("tp", "dp_shard_cp", "dp_replicate", "ep", "ep_fsdp") and v > 64}
         total_a2a += counted.pop("all_to_all@ep") - predicted.pop("all_to_all@ep")
