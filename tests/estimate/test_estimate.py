@@ -165,9 +165,8 @@ def test_activations_match_saved_tensors(name: str, ac: str, dtype: str) -> None
 def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> dict:
     """One rank: model state after a step, live activations at the loss, bytes of a counted step."""
     import meshkit
-    from meshkit.comm_counter import CommCounter
-    from meshkit.mesh import axis
     from meshkit.step import loss as loss_lib
+    from tests.estimate.rank_comm import counted_step, state_bytes
 
     config = _config(model_kw)
     plan = Plan.from_string(plan_text)
@@ -193,57 +192,10 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     opt.step()
 
-    def local(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    measured["params"] = sum(local(p) for p in pm.parameters())
-    measured["grads"] = sum(local(p.grad) for p in pm.parameters())
-    measured["optimizer"] = sum(local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    measured.update(state_bytes(pm, opt))
     opt.zero_grad(set_to_none=True)
-    pm.check_inputs = False  # its few-byte agreement checks are not part of the estimate
-    with CommCounter(pm.mesh) as counter:
-        pm.forward_backward(ids, ids)
-    experts = {}
-    if plan.ep > 1:  # with ep = 1 the expert-FSDP group is the FSDP group itself
-        from meshkit.mesh import expert_axes
-
-        ep_mesh, outer = expert_axes(pm.mesh, plan.ep)  # the groups parallelize made (the mesh caches them)
-        experts = {"ep": ep_mesh.get_group(), "ep_fsdp": outer.get_group()}
-    comm: dict[str, int] = {}
-    for kind, label, nbytes in counter.events:
-        if nbytes <= 8:  # the loss and token-count scalars, which the estimate leaves out
-            continue
-        key = f"{kind}@{_axis_label(label, pm.mesh, experts)}"
-        comm[key] = comm.get(key, 0) + nbytes
-    measured["comm"] = comm
-    measured["tp_rank"] = pm.mesh["tp"].get_local_rank()
-    measured["pp_rank"] = pm.mesh["pp"].get_local_rank()
-    measured["fsdp_rank"] = axis(pm.mesh, "dp_shard_cp").get_local_rank()
+    measured.update(counted_step(pm, plan, ids))
     return measured
-
-
-def _axis_label(label: str, mesh, experts: dict) -> str:
-    """CommCounter's label, with groups it could not name matched to a mesh axis by their ranks.
-
-    A pool worker runs several plans; DTensor's sharding cache can hand a later mesh the redistribute
-    plans (and process groups) of an earlier mesh over the same ranks, which CommCounter cannot name.
-    """
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    from meshkit.mesh import axis
-
-    if not label.startswith("group:"):
-        return label
-    ranks = dist.get_process_group_ranks(_resolve_process_group(label[len("group:"):]))
-    for name in ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate"):
-        if dist.get_process_group_ranks(axis(mesh, name).get_group()) == ranks:
-            return name
-    for name, group in experts.items():
-        if dist.get_process_group_ranks(group) == ranks:
-            return name
-    return label
 
 
 # One counted run per plan on the same 4 ranks: TP/SP + FSDP under each AC mode, and TP without SP +

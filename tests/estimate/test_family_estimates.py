@@ -224,28 +224,9 @@ MESH_CASES = {
 MESH_BATCH, MESH_SEQ = 2, 16
 
 
-def _group_name(label: str, mesh, experts: dict) -> str:
-    """CommCounter's label, with a group it could not name matched to a mesh axis by its ranks (a pool
-    worker's earlier meshes can leave DTensor holding groups over the same ranks)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    from meshkit.mesh import axis
-
-    if not label.startswith("group:"):
-        return label
-    ranks = dist.get_process_group_ranks(_resolve_process_group(label[len("group:"):]))
-    named = {name: axis(mesh, name).get_group() for name in ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate")}
-    for name, group in {**named, **experts}.items():
-        if dist.get_process_group_ranks(group) == ranks:
-            return name
-    return label
-
-
 def _measure_mixed(name: str, plan_text: str) -> dict:
     """One rank: its model state after a step, and the bytes CommCounter counts in a second step."""
-    from meshkit.comm_counter import CommCounter
-    from meshkit.mesh import axis, expert_axes
+    from tests.estimate.rank_comm import counted_step, state_bytes
 
     spec = _mixed(name)
     config = spec.config()
@@ -257,27 +238,9 @@ def _measure_mixed(name: str, plan_text: str) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     opt.step()
 
-    def local(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    out = {"params": sum(local(p) for p in pm.parameters()), "grads": sum(local(p.grad) for p in pm.parameters()),
-           "optimizer": sum(local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))}
+    out = state_bytes(pm, opt)
     opt.zero_grad(set_to_none=True)
-    pm.check_inputs = False  # its few-byte agreement checks are not part of the estimate
-    with CommCounter(pm.mesh) as counter:
-        pm.forward_backward(ids, ids)
-    ep_mesh, outer = expert_axes(pm.mesh, plan.ep)
-    experts = {"ep": ep_mesh.get_group(), "ep_fsdp": outer.get_group()}
-    comm: dict[str, int] = {}
-    for kind, label, nbytes in counter.events:
-        if nbytes > 8:  # the loss and token-count scalars, which the estimate leaves out
-            key = f"{kind}@{_group_name(label, pm.mesh, experts)}"
-            comm[key] = comm.get(key, 0) + nbytes
-    out["comm"] = comm
-    out["pp_rank"] = pm.mesh["pp"].get_local_rank()
-    out["tp_rank"] = pm.mesh["tp"].get_local_rank()
-    out["fsdp_rank"] = axis(pm.mesh, "dp_shard_cp").get_local_rank()
+    out.update(counted_step(pm, plan, ids))
     return out
 
 
