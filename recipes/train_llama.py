@@ -111,6 +111,22 @@ def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.opt
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def follow_schedule_after_resume(scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[float, float]:
+    """Set the learning rate of the restored step from this run's schedule; return (restored, now).
+
+    A checkpoint restores the scheduler's step and its last learning rate, but the schedule itself is
+    rebuilt from this run's [train] steps and warmup: a run extended with a larger --steps would take
+    its first step at the old schedule's rate and its next on the new curve. Stepping back and forward
+    once makes the restored step's rate the new schedule's, so the jump (if any) is one the caller sees.
+    """
+    restored = scheduler.get_last_lr()[0]
+    scheduler.last_epoch -= 1
+    with warnings.catch_warnings():  # "step() before optimizer.step()": no optimizer step is skipped here
+        warnings.simplefilter("ignore")
+        scheduler.step()
+    return restored, scheduler.get_last_lr()[0]
+
+
 # -------------------------------------------------------------------------------------- estimate
 
 
@@ -261,6 +277,12 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
         model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size))
     first_step = ckpt.restore(optimizer, scheduler, data=data.loader)
+    if ckpt.resuming:
+        restored_lr, lr_now = follow_schedule_after_resume(scheduler)
+        if rank == 0 and not math.isclose(restored_lr, lr_now, rel_tol=1e-6):
+            print(f"[train] resumed at step {first_step}: learning rate {restored_lr:.4g} -> {lr_now:.4g}, this "
+                  f"run's schedule ([train] steps={cfg.steps}, warmup_steps={cfg.warmup_steps}) at that step",
+                  flush=True)
     problem = resume_problem(ckpt.resumed_extra, record, cfg.allow_batch_change) if ckpt.resuming else None
     if problem:  # the same checkpoint metadata on every rank: every rank raises
         raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")

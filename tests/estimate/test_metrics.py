@@ -326,6 +326,33 @@ def test_lr_schedule_warms_up_then_decays(recipe) -> None:
     assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
 
 
+def test_resumed_run_follows_its_own_schedule(recipe) -> None:
+    """A run resumed with the same [train] keeps its learning rate; one extended to more steps takes
+    its first step at the new schedule's rate (the restored scheduler alone would use the old one)."""
+
+    def run(steps: int, state=None, taken: int = 0):
+        cfg = recipe.TrainConfig(steps=steps, warmup_steps=4, lr=1.0, min_lr_ratio=0.1)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        sched = recipe.lr_schedule(opt, cfg)
+        if state is not None:
+            sched.load_state_dict(state)
+        for _ in range(taken):
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    _, first = run(20, taken=12)
+    saved = first.state_dict()
+    same_opt, same = run(20, saved)
+    assert recipe.follow_schedule_after_resume(same) == pytest.approx((first.get_last_lr()[0],) * 2)
+    assert same_opt.param_groups[0]["lr"] == pytest.approx(first.get_last_lr()[0])
+    longer_opt, longer = run(40, saved)
+    restored, now = recipe.follow_schedule_after_resume(longer)
+    assert restored == pytest.approx(first.get_last_lr()[0])
+    assert now == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 36))) != pytest.approx(restored)
+    assert longer_opt.param_groups[0]["lr"] == pytest.approx(now) and longer.last_epoch == 12
+
+
 def test_moe_flops_count_active_experts_only():
     """With top_k == num_experts every expert is active: the count equals the model's parameters."""
 
