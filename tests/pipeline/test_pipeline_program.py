@@ -75,3 +75,23 @@ def test_gloo_window_takes_every_receive_of_a_waiting_rank_off_its_busy_steps(na
         steps = compile_rank(schedule, rank, 1, RECEIVE_WINDOW)
         receives = [(j, p.action) for j, (posts, _) in enumerate(steps) for p in posts if not p.send]
         assert receives and all(j in waits for j, _ in receives), (name, rank)
+
+
+@pytest.mark.parametrize("name", ["zb_v", "dualpipe_v"])
+def test_the_v_tip_is_handed_over_locally_never_through_the_transport(name):
+    """Rank p-1 holds stages p-1 and p (the V's tip): stage p's forward input and stage p-1's output
+    gradient are this rank's own tensors, so no step posts a transfer for that boundary and no
+    transfer anywhere has its own rank as the peer."""
+    p = 4
+    schedule = build_schedule(name, p, 8, 2)
+    for rank in range(p):
+        for posts, compute in compile_rank(schedule, rank, 1, RECEIVE_WINDOW):
+            assert all(post.peer != rank for post in posts), (rank, posts)
+            if compute is not None and rank == p - 1 and compute.stage in (p - 1, p):
+                local = (compute.kind is K.F and compute.stage == p) or (
+                    compute.kind in (K.B, K.BW) and compute.stage == p - 1)
+                assert not local or compute.received is None, compute.action
+        if rank == p - 1:
+            tip = [post for posts, _ in compile_rank(schedule, rank, 1, RECEIVE_WINDOW) for post in posts
+                   if post.boundary == p - 1]
+            assert tip == [], tip
