@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkit._compat import dtensor_chunks
 from meshkit.local_tensor import local_tensor
+from meshkit.models import hf_moe
 from meshkit.models import moe as moe_models
 from meshkit.state.names import is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
@@ -143,11 +144,11 @@ def _source(name: str, shape: tuple[int, ...], shapes: dict[str, tuple[int, ...]
     """Where model tensor `name` lives in the files: under its own name or, for MoE, a per-expert format."""
     if name in shapes:
         return _Direct(name, shapes[name])
-    match = moe_models.HF_MOE_PARAM_NAME.fullmatch(name)
+    match = hf_moe.HF_MOE_PARAM_NAME.fullmatch(name)
     if match is None:
         return None
     head, tail = match.groups()
-    for module, gate, up, down in moe_models.HF_EXPERT_FILE_FORMATS:
+    for module, gate, up, down in hf_moe.HF_EXPERT_FILE_FORMATS:
         base = f"{head}{module}"
         if tail == "gate.weight":
             if base + "gate.weight" in shapes:
@@ -263,7 +264,7 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_si
     if it failed. meshkit-only state (DeepSeek-V3 `expert_bias`) is dropped: HF classes have no slot.
     """
     config = pm.model.config
-    if moe_models.is_moe_model(pm.model) and getattr(config, "model_type", None) not in moe_models.MOE_MODEL_TYPES:
+    if moe_models.is_moe_model(pm.model) and getattr(config, "model_type", None) not in hf_moe.MOE_MODEL_TYPES:
         raise ValueError(
             f"save_hf_checkpoint: a {config.model_type} model with meshkit MoE layers (Llama-MoE) has no "
             "Hugging Face class, so from_pretrained could not load it; fix: save it with "
@@ -272,7 +273,7 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_si
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            _write_pretrained(config, moe_models.to_hf_state_dict(state, config), Path(directory), max_shard_size)
+            _write_pretrained(config, hf_moe.to_hf_state_dict(state, config), Path(directory), max_shard_size)
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, or they return as if it worked
             problem = f"save_hf_checkpoint: rank 0 could not write {str(directory)!r}: {type(err).__name__}: {err}"
     raise_if_any(problem, device=pm.device)  # also the barrier: no rank returns before the files exist
