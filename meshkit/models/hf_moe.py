@@ -57,6 +57,7 @@ __all__ = [
     "init_moe_buffers",
     "is_hf_moe_block",
     "to_hf_state_dict",
+    "zero_width_shared_expert_shapes",
 ]
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
@@ -256,13 +257,60 @@ def hf_aux_loss(model: nn.Module) -> Tensor | None:
 def to_hf_state_dict(state_dict: dict[str, Tensor], config: Any) -> dict[str, Tensor]:
     """A converted HF model's state dict with exactly HF's keys (shapes and layout already are HF's).
 
-    Converted names are HF's; the one thing to drop is meshkit-only state: DeepSeek-V3's
+    Converted names are HF's; what differs is meshkit-only state to drop, DeepSeek-V3's
     `expert_bias` (only present with `bias_update_rate > 0`), for which these HF models have no
-    slot. Llama-MoE state dicts are returned as they are: there is no HF class to map them to.
+    slot, and the zero-width shared experts conversion left out, to add back
+    (`zero_width_shared_expert_shapes`: empty weights, and a Qwen2-MoE gate of zeros, which scales
+    a zero output). Llama-MoE state dicts are returned as they are: there is no HF class to map them to.
     """
     if getattr(config, "model_type", None) not in MOE_MODEL_TYPES:
         return dict(state_dict)
-    return {k: v for k, v in state_dict.items() if not k.endswith(".expert_bias")}
+    out = {k: v for k, v in state_dict.items() if not k.endswith(".expert_bias")}
+    for name, (block, shape) in zero_width_shared_expert_shapes(config, state_dict).items():
+        like = state_dict.get(f"{block}.experts.gate_up_proj", state_dict[f"{block}.gate.weight"])
+        out[name] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return out
+
+
+# HF builds a block's shared expert even at zero width (DeepSeek-V3 with n_shared_experts=0, Qwen2-MoE
+# with shared_expert_intermediate_size=0), with empty weights, and Qwen2-MoE its [1, H] sigmoid gate
+# too; `convert_hf_block` leaves both out. model_type -> (shared expert's name, its gate's or None).
+_ZERO_WIDTH_SHARED = {"deepseek_v3": ("shared_experts", None), "qwen2_moe": ("shared_expert", "shared_expert_gate")}
+_ROUTER_KEY = re.compile(r"(.*\.mlp)\.gate\.weight")
+
+
+def _shared_width(config: Any) -> int:
+    if config.model_type == "deepseek_v3":
+        return int(config.moe_intermediate_size) * int(config.n_shared_experts or 0)
+    return int(config.shared_expert_intermediate_size or 0)
+
+
+def zero_width_shared_expert_shapes(config: Any, keys: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF's tensors that a zero-width shared expert has and a converted layer does not: name ->
+    (the block's `...mlp` prefix, shape), for the MoE blocks whose router (`...mlp.gate.weight`) is
+    among `keys` (a state dict's or a checkpoint's names). Empty unless the config's shared expert has
+    zero width.
+
+    The export writes them back, so `from_pretrained` finds the directory HF itself would write (it
+    otherwise reports them MISSING and initialises them); the import accepts them in HF's files.
+    """
+    names = _ZERO_WIDTH_SHARED.get(getattr(config, "model_type", None))
+    if names is None or _shared_width(config):
+        return {}
+    shared, gate = names
+    hidden = int(config.hidden_size)
+    out = {}
+    for key in keys:
+        match = _ROUTER_KEY.fullmatch(key)
+        if match is None:
+            continue
+        block = match[1]
+        out.update({f"{block}.{shared}.gate_proj.weight": (block, (0, hidden)),
+                    f"{block}.{shared}.up_proj.weight": (block, (0, hidden)),
+                    f"{block}.{shared}.down_proj.weight": (block, (hidden, 0))})
+        if gate is not None:
+            out[f"{block}.{gate}.weight"] = (block, (1, hidden))
+    return out
 
 
 def init_moe_buffers(module: nn.Module, device: torch.device | str | None = None, *, hf_buffers: bool = False) -> None:

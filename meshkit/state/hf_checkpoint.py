@@ -14,7 +14,8 @@ legacy per-expert format (`...block_sparse_moe.experts.N.w1/w3/w2.weight` for Mi
 when loading; meshkit's MoE keeps the fused layout (`gate_up_proj` [E, 2I, H] = per-expert
 [gate; up] stacked, `down_proj` [E, H, I]), so the loader assembles each rank's experts from the
 per-expert tensors (transformers' own conversion: stack experts on dim 0, gate then up on dim 1).
-A fused checkpoint loads as it is.
+A fused checkpoint loads as it is. HF's empty tensors of a zero-width shared expert (which the
+converted model leaves out) are accepted, and written back on export (`hf_moe.zero_width_shared_expert_shapes`).
 
 Out: `save_hf_checkpoint(pm, directory)` gathers the full state (`pm.full_state_dict()`, every plan)
 and rank 0 writes it with HF's own `save_pretrained` from a fresh meta-device HF model, so the
@@ -190,7 +191,11 @@ def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: 
     used = {k for s in sources.values() for k in s.keys()}
     # A tied weight's second name (lm_head.weight) may be in the file; the embedding is authoritative.
     tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(tensors) | set(aliases)
-    unexpected = sorted(set(shapes) - used - tied)
+    # HF's empty shared-expert tensors (and Qwen2-MoE's gate) of a zero-width shared expert: the
+    # converted model leaves them out, and they add exactly zero.
+    absent = {k for k, (_, shape) in hf_moe.zero_width_shared_expert_shapes(model.config, shapes).items()
+              if shapes.get(k) == shape}
+    unexpected = sorted(set(shapes) - used - tied - absent)
     problems = []
     if missing:
         problems.append(f"{len(missing)} model tensor(s) not in the files: {brief(missing)}")
