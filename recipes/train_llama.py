@@ -368,7 +368,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
                        prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
-        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps)):
+        # A held-out loss is printed when it is computed, even between log_every lines.
+        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps) or step in eval_losses):
             bar.write(metrics.format_step_line(step, cfg.steps, values))
     if prof is not None:
         prof.stop()

@@ -67,7 +67,7 @@ def ep_cases(draw):
     return world, plan, model, batch
 
 
-@examples(ci=4)
+@examples(ci=3)
 @given(ep_cases())
 def test_random_expert_parallel_plans(dist, case):
     world, plan, model, batch = case
