@@ -47,11 +47,29 @@ DEFAULT_PART = "dispatch_combine"  # ops of MoE.forward itself: scores, top-k, g
 KINDS = ("dense", "moe")  # the block kinds a stack may mix, in the order reports list them
 
 
+# Per config (by `config_key`): a plan search asks for a config's experts and block kinds ~10^5 times,
+# and every read of a transformers 5 config attribute goes through two Python __getattribute__ layers.
+_STACKS: dict[str, tuple[MoESpec | None, tuple[str, ...]]] = {}
+
+
+def _stack(config: Any) -> tuple[MoESpec | None, tuple[str, ...]]:
+    key = config_key(config)
+    hit = _STACKS.get(key)
+    if hit is None:
+        spec = moe_spec(config)
+        spec = spec if spec is not None and spec.layers else None
+        layers = set(spec.layers) if spec is not None else set()
+        hit = (spec, tuple("moe" if i in layers else "dense" for i in range(config.num_hidden_layers)))
+        if len(_STACKS) >= 256:
+            _STACKS.clear()
+        _STACKS[key] = hit
+    return hit
+
+
 def model_experts(config: Any) -> MoESpec | None:
     """The config's experts, or None when no decoder block is MoE (a dense model, or a dense-kind
     config from `kind_config`)."""
-    spec = moe_spec(config)
-    return spec if spec is not None and spec.layers else None
+    return _stack(config)[0]
 
 
 def block_kinds(config: Any) -> tuple[str, ...]:
@@ -59,9 +77,7 @@ def block_kinds(config: Any) -> tuple[str, ...]:
 
     Published MoE stacks mix them (DeepSeek-V3's first dense layers, Qwen2-MoE's `mlp_only_layers`
     and `decoder_sparse_step`); each kind is estimated on its own uniform config (`kind_config`)."""
-    spec = model_experts(config)
-    layers = set(spec.layers) if spec is not None else set()
-    return tuple("moe" if i in layers else "dense" for i in range(config.num_hidden_layers))
+    return _stack(config)[1]
 
 
 @functools.lru_cache(maxsize=32)
