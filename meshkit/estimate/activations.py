@@ -169,8 +169,14 @@ def block_hidden(parts: llama.CausalLMParts) -> int:
 
 def trace_block(config: Any, seq: int, tp: int = 1, dtype: str = "bfloat16") -> BlockTrace:
     """Trace one TP-local block on one sequence of `seq` tokens (cached per shape)."""
-    _check_tp(config, tp)
-    return _trace_block_cached(config_key(config), seq, tp, dtype)
+    key = config_key(config)
+    if (key, tp) not in _TP_CHECKED:  # a plan search asks ~10^4 times; config reads are slow in transformers 5
+        _check_tp(config, tp)
+        _TP_CHECKED.add((key, tp))
+    return _trace_block_cached(key, seq, tp, dtype)
+
+
+_TP_CHECKED: set[tuple[str, int]] = set()  # (config_key, tp) pairs `_check_tp` passed
 
 
 @functools.lru_cache(maxsize=256)
