@@ -41,7 +41,6 @@ from transformers.utils import logging as hf_logging
 
 import meshkit
 from meshkit import heartbeat, metrics
-from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.mesh import ensure_process_group, world_size_from_env
 from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
@@ -288,8 +287,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
     guard = NonFiniteGuard(cfg.on_nonfinite, rank)
 
-    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
-                                  moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
+    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
     global_tokens = pm.dp_size * cfg.local_batch * cfg.grad_accum * cfg.seq_len
     name = _run_name(run)

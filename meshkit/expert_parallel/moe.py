@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from meshkit._compat import in_backward
+from meshkit._compat import hidden_from_selective_checkpoint, in_backward
 from meshkit.expert_parallel.balancing import AttachLoss, RouterStats, router_z_loss, switch_aux_loss
 from meshkit.expert_parallel.dispatch import (
     DispatchPlan,
@@ -332,11 +332,14 @@ class MoE(nn.Module):
         if replayed:
             self.replays += 1
         else:
-            routed_E = self._route(scores_TE, routing, stats_needed)
-            if recompute:
-                self.reroutes += 1
-            else:
-                self._count(routing.plan, routed_E)
+            # What a replaying recompute skips (top-k, dispatch planning and its collectives, the
+            # bookkeeping) is hidden from selective checkpointing, so its op counts match the forward's.
+            with hidden_from_selective_checkpoint():
+                routed_E = self._route(scores_TE, routing, stats_needed)
+                if recompute:
+                    self.reroutes += 1
+                else:
+                    self._count(routing.plan, routed_E)
 
         weights_TK = scores_TE.gather(1, routing.expert_TK)
         if self.normalize_topk:
@@ -384,8 +387,9 @@ class MoE(nn.Module):
             self.router_stats = stats if self.keep_router_stats else None
             self.aux_loss = None if aux is None else aux.detach()
             if aux is not None:
-                weighted = self.aux_loss * self.aux_loss_scale
-                self.aux_loss_total = weighted if self.aux_loss_total is None else self.aux_loss_total + weighted
+                with hidden_from_selective_checkpoint():  # forward-only bookkeeping, like the routing's
+                    weighted = self.aux_loss * self.aux_loss_scale
+                    self.aux_loss_total = weighted if self.aux_loss_total is None else self.aux_loss_total + weighted
         if aux is not None:
             out_TH = AttachLoss.apply(out_TH, aux, self.aux_loss_scale)
         return out_TH
