@@ -23,6 +23,7 @@ from typing import Any
 
 import meshkit
 from meshkit import estimate
+from meshkit.models.moe import LLAMA_MOE_KEY
 from meshkit.step.consensus import raise_if_any
 
 # Ranges of the known [train] and [data] fields; fields other modules add are type-checked only.
@@ -33,7 +34,9 @@ POSITIVE = ("lr", "timeout_s")
 FRACTION = ("beta1", "beta2")  # [0, 1)
 RATIO = ("min_lr_ratio",)  # [0, 1]
 CHOICES = {"on_nonfinite": ("error", "skip")}
-RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type")
+# Keys of [model] that are no HF config field yet mean something: the recipe's own, and meshkit's Llama-MoE
+# switch (a `meshkit_moe` table swaps a Llama-family model's MLPs for meshkit MoE layers).
+RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type", LLAMA_MOE_KEY)
 
 
 def check_config_file(path: str | None) -> None:
