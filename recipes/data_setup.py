@@ -28,7 +28,8 @@ def check_data_config(data: DataConfig) -> None:
     """The [data] table's own consistency (no file is opened)."""
     if data.synthetic and (data.path or data.weights):
         raise ValueError(f"[data] synthetic = true with path = {data.path!r} / weights = {data.weights}: choose one "
-                         "(synthetic Markov tokens, or a token store)")
+                         "(synthetic Markov tokens, or a token store); fix: add --no-synthetic to train on the store "
+                         "(the preset sets synthetic = true), or drop --path/--weights")
     if data.path and data.weights:
         raise ValueError("[data] path and weights both given; fix: path = one store, or weights = {\"<store dir>\" = "
                          "weight, ...} to blend several")
