@@ -44,6 +44,7 @@ class SyntheticData:
     def __init__(self, markov: Any, grad_accum: int, branching: int):
         self.markov, self.grad_accum = markov, grad_accum
         self.reference = f"floor ln({branching}) = {math.log(branching):.4f}"
+        self.reference_loss = (f"floor ln({branching})", math.log(branching))  # (what, value) for the loss plot
 
     def step_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
         """Step `step`'s micro-batches: the chain's batches are a function of the step number."""
@@ -59,6 +60,7 @@ class StoreData:
     def __init__(self, loader: PackedLoader, val: PackedLoader | None, grad_accum: int, entropy: float):
         self.loader, self.val, self.grad_accum = loader, val, grad_accum
         self.reference = f"unigram entropy of the corpus {entropy:.4f}"
+        self.reference_loss = ("unigram entropy of the corpus", entropy)  # (what, value) for the loss plot
         self.entropy = entropy
 
     @property
