@@ -85,7 +85,7 @@ def split_axis(mesh: DeviceMesh, axis: str, sizes: tuple[int, int], names: tuple
     """
     import torch.distributed as dist
 
-    sub = mesh[axis]
+    sub = submesh(mesh, axis)  # dp_shard_cp is a flattened axis: sliced without torch's deprecation warning
     if hasattr(sub, "_unflatten"):
         split = sub._unflatten(0, sizes, names)
         return split[names[1]], split[names[0]]

@@ -27,6 +27,7 @@ import preflight
 import torch
 import torch.distributed as dist
 from checkpointing import Checkpointing
+from loss_plot import write_loss_plot
 from nonfinite import NonFiniteGuard
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
     DataConfig,
@@ -398,11 +399,14 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
             memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
         elif predicted:  # RSS also holds the interpreter and libraries: no ratio to tensor bytes
             memory += f"; the estimator predicts {predicted / 2**30:.3g} GiB of tensors"
+        plot = write_loss_plot(log_dir / "loss.png", dict(zip(range(first_step, cfg.steps + 1), losses)), eval_losses,
+                               data.reference_loss)
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
               f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
               f"{memory} | "
-              f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
+              f"TensorBoard: tensorboard --logdir {cfg.log_dir} | loss curve: "
+              f"{plot or 'not drawn (pip install matplotlib)'}", flush=True)
     return summary
 
 

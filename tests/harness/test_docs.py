@@ -98,9 +98,25 @@ def shell_commands(path: Path) -> list[str]:
     return commands
 
 
+def preset_commands(path: Path) -> list[str]:
+    """The commands in a preset's header comment (`#   torchrun ...`, continuation lines joined)."""
+    header = "\n".join(line[1:] for line in path.read_text().splitlines() if line.startswith("#"))
+    return [line.strip() for line in re.sub(r"\\\n\s*", " ", header).splitlines() if "torchrun" in line]
+
+
 def recipe_commands() -> list[tuple[str, str]]:
-    """(file, command) for every documented `torchrun ... recipes/train_llama.py ...` line."""
-    return [(path.name, c) for path in DOCS for c in shell_commands(path) if "recipes/train_llama.py" in c]
+    """(file, command) for every documented `torchrun ... recipes/train_llama.py ...` line: the docs' and
+    each preset's own header."""
+    documented = [(path.name, c) for path in DOCS for c in shell_commands(path) if "recipes/train_llama.py" in c]
+    presets = sorted((ROOT / "recipes" / "configs").glob("*.toml"))
+    return documented + [(path.name, c) for path in presets for c in preset_commands(path)]
+
+
+def test_every_preset_is_in_the_recipe_readme_and_names_its_command():
+    readme = (ROOT / "recipes" / "README.md").read_text()
+    for path in sorted((ROOT / "recipes" / "configs").glob("*.toml")):
+        assert f"`{path.name}`" in readme, f"recipes/README.md does not name the preset {path.name}"
+        assert any(f"configs/{path.name}" in c for c in preset_commands(path)), f"{path.name}: no launch command"
 
 
 def _recipe_modules():
@@ -113,7 +129,7 @@ def test_every_documented_recipe_command_parses_and_its_config_passes_the_prefli
     """The flags exist, the preset loads, and the plan fits the launched world (pp, batch, seq_len):
     what the recipe checks before it starts a process group, for each command as a user pastes it."""
     commands = recipe_commands()
-    assert len(commands) >= 8, commands
+    assert len(commands) >= 17, commands
     train_config, preflight = _recipe_modules()
     for where, command in commands:
         words = shlex.split(command)

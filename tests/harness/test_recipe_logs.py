@@ -1,7 +1,8 @@
 """What a user reads from a short recipe run: every TensorBoard scalar the recipe README promises is
 there and sane (loss and held-out loss finite, tokens/s positive and equal to the step's tokens over
 its time, MFU in (0, 1] and equal to hand-counted model FLOPs over the peak, memory positive), and a
-held-out loss is printed on the console when it is computed, not only on `log_every` steps."""
+held-out loss is printed on the console when it is computed, not only on `log_every` steps; the run
+ends with its loss curve as a PNG beside the events."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def test_short_recipe_run_logs_sane_scalars_and_prints_each_held_out_loss(dist, 
     console = outcomes[0].output
     eval_lines = [line for line in console.splitlines() if "eval_loss" in line]
     assert [re.match(r"step (\d+)/", line).group(1) for line in eval_lines] == ["3", "4"], console
+
+    assert f"loss curve: {tmp_path / 'run' / 'loss.png'}" in console
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
