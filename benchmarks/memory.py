@@ -23,10 +23,10 @@ matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
 
 import meshkit  # noqa: E402
-from benchmarks.launch import run_ranks  # noqa: E402
+from benchmarks.launch import meshkit_model, run_ranks  # noqa: E402
 from benchmarks.report import emit, machine_line, mib, ratio, table  # noqa: E402
 from meshkit import estimate as est  # noqa: E402
 from meshkit._compat import fsdp_after_unit_reduce, fsdp_unsharded_tensors, storage_key, storage_nbytes  # noqa: E402
@@ -68,9 +68,7 @@ def measure(plan_text: str, fused: bool) -> dict:
     """One rank, after a first step: model state between the window's two calls (after the fused
     step's one call), the most gradient bytes alive at any unit's reduction, FSDP bytes over the
     window, peak RSS."""
-    torch.manual_seed(0)
-    pm = meshkit.parallelize(LlamaForCausalLM(LlamaConfig(**MODEL)), meshkit.Plan.from_string(plan_text))
-    pm.check_inputs = False
+    pm = meshkit_model(MODEL, plan_text)
     params = list(pm.parameters())
     ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(pm.dp_rank))
     peak_grads = [0]

@@ -38,9 +38,16 @@ def emit(lines: list[str], out: str | None) -> None:
 def machine_line(extra: str = "") -> str:
     """`- command: ...` and the software and machine a report was measured on."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    command = shlex.join([os.path.relpath(sys.executable), "-m", _module_name()] + sys.argv[1:])
+    command = shlex.join([_interpreter(), "-m", _module_name()] + sys.argv[1:])
     return (f"- command: `{command}`\n- torch {torch.__version__}, Python {platform.python_version()}, "
             f"{platform.machine()}, {os.cpu_count()} CPU cores (load average {load}){extra}")
+
+
+def _interpreter() -> str:
+    """The interpreter as a user names it from the repository root: the `.venv` that `make` builds when
+    the run is in a virtual environment, else `python`. Never this machine's own path to it (a worktree
+    elsewhere made results cite `../../main/.venv/bin/python`)."""
+    return ".venv/bin/python" if sys.prefix != sys.base_prefix else "python"
 
 
 def _module_name() -> str:

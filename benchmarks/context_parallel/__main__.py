@@ -24,6 +24,7 @@ per-repetition ratios) are printed. Nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -78,7 +79,7 @@ def header(args: argparse.Namespace, worlds: Sequence[int], spec: dict) -> list[
     return [
         "# meshkit context-parallel benchmark",
         "",
-        machine_line(f"; transformers {transformers.__version__}; meshkit from `{meshkit.__path__[0]}`"),
+        machine_line(f"; transformers {transformers.__version__}; meshkit from `{os.path.relpath(meshkit.__path__[0])}`"),
         f"- backend gloo on CPU, 1 thread per rank; world sizes launched: {', '.join(map(str, worlds))} "
         f"(main cp={args.cp}; cp=8 rows in section 1 are from the schedule"
         + (" and a run" if 8 in worlds else " only") + ")",

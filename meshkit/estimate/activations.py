@@ -38,7 +38,8 @@ from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models import llama
 from meshkit.models import quirks as quirks_lib
-from meshkit.models.moe import identity_stand_in, moe_spec
+from meshkit.models.hf_moe import identity_stand_in
+from meshkit.models.moe import moe_spec
 from meshkit.step import loss as loss_lib
 
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",
@@ -168,8 +169,14 @@ def block_hidden(parts: llama.CausalLMParts) -> int:
 
 def trace_block(config: Any, seq: int, tp: int = 1, dtype: str = "bfloat16") -> BlockTrace:
     """Trace one TP-local block on one sequence of `seq` tokens (cached per shape)."""
-    _check_tp(config, tp)
-    return _trace_block_cached(config_key(config), seq, tp, dtype)
+    key = config_key(config)
+    if (key, tp) not in _TP_CHECKED:  # a plan search asks ~10^4 times; config reads are slow in transformers 5
+        _check_tp(config, tp)
+        _TP_CHECKED.add((key, tp))
+    return _trace_block_cached(key, seq, tp, dtype)
+
+
+_TP_CHECKED: set[tuple[str, int]] = set()  # (config_key, tp) pairs `_check_tp` passed
 
 
 @functools.lru_cache(maxsize=256)

@@ -162,6 +162,19 @@ class Estimate:
         return per_rank / (self.step_time * self.device.peak_flops)
 
 
+_MEAN_ACTIVE: dict[str, float] = {}
+
+
+def _mean_active_params(config: Any) -> float:
+    """Parameters one token's matmuls touch per block, averaged over the stack; once per config (a plan
+    search estimates thousands of plans of one config, and each config read is slow in transformers 5)."""
+    key = config_key(config)
+    if key not in _MEAN_ACTIVE:
+        layers = config.num_hidden_layers
+        _MEAN_ACTIVE[key] = sum(metrics.active_block_params(config, i) for i in range(layers)) / layers
+    return _MEAN_ACTIVE[key]
+
+
 def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: Device | str = "h100") -> Estimate:
     """Memory, FLOPs, communication and step time of one plan. pp/cp/ep degrees meshkit does not run
     yet are estimated all the same; `plan_search` marks them."""
@@ -179,8 +192,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     heads, d_qk, d_v = roles.score_value_dims(config)
     # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block
     # transfer (FSDP's gather of the next block) can hide behind.
-    layers = config.num_hidden_layers
-    mean_active = sum(metrics.active_block_params(config, i) for i in range(layers)) / layers
+    mean_active = _mean_active_params(config)
     t_layer_fwd = (2 * mean_active + 2 * heads * (d_qk + d_v) * workload.seq) * share
     t_layer_rec = flops.recompute * share / config.num_hidden_layers
     t_stage_fwd = flops.model / 3 * share / plan.pp

@@ -5,11 +5,14 @@ tokens times top-k, a routing-independent count) and, under uniform routing, rec
 skewed router moves memory and all-to-all bytes between ranks; the totals over the expert-parallel
 group stay what is printed here (the tests compare exactly those totals).
 
-Activations are measured, not written down: meshkit's own `MoE` layer, with the model's expert count,
-top-k and options, runs on small real tensors (its routing is data-dependent, which a fake-tensor
-trace cannot follow), and the saved bytes are identified as an exact linear function of tokens x
-(hidden, expert width, shared-expert width, 1). That identification is checked at a further shape;
-a layer whose saved bytes stop being linear raises instead of extrapolating.
+Activations are measured, not written down: meshkit's own `MoE` layer, with the model's top-k and
+options, runs on small real tensors (its routing is data-dependent, which a fake-tensor trace cannot
+follow), and the saved bytes are identified as an exact linear function of tokens x (hidden, expert
+width, expert count, shared-expert width, 1) plus a fixed part linear in the same shapes. The layer
+that runs is a proxy with a handful of experts (top-k + 1 to top-k + 11), never the model's 256:
+the loop backend costs one matmul per expert. The identification is checked at a further shape; a
+layer whose saved bytes stop being linear raises instead of extrapolating. About a dozen runs of
+milliseconds each, once per process and layer options (a second estimate reuses them).
 
 Stacks may mix dense and MoE blocks (DeepSeek-V3's first dense layers, Qwen2-MoE's `mlp_only_layers`):
 `block_kinds` says which block is which, and each kind is built, traced and measured on its own
@@ -19,6 +22,8 @@ uniform config (`kind_config`), which the rest of the estimator sums over the bl
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from tqdm import tqdm
 
 from meshkit._compat import storage_key
 from meshkit.estimate.spec import DTYPES, config_from_key, config_key
@@ -41,11 +47,29 @@ DEFAULT_PART = "dispatch_combine"  # ops of MoE.forward itself: scores, top-k, g
 KINDS = ("dense", "moe")  # the block kinds a stack may mix, in the order reports list them
 
 
+# Per config (by `config_key`): a plan search asks for a config's experts and block kinds ~10^5 times,
+# and every read of a transformers 5 config attribute goes through two Python __getattribute__ layers.
+_STACKS: dict[str, tuple[MoESpec | None, tuple[str, ...]]] = {}
+
+
+def _stack(config: Any) -> tuple[MoESpec | None, tuple[str, ...]]:
+    key = config_key(config)
+    hit = _STACKS.get(key)
+    if hit is None:
+        spec = moe_spec(config)
+        spec = spec if spec is not None and spec.layers else None
+        layers = set(spec.layers) if spec is not None else set()
+        hit = (spec, tuple("moe" if i in layers else "dense" for i in range(config.num_hidden_layers)))
+        if len(_STACKS) >= 256:
+            _STACKS.clear()
+        _STACKS[key] = hit
+    return hit
+
+
 def model_experts(config: Any) -> MoESpec | None:
     """The config's experts, or None when no decoder block is MoE (a dense model, or a dense-kind
     config from `kind_config`)."""
-    spec = moe_spec(config)
-    return spec if spec is not None and spec.layers else None
+    return _stack(config)[0]
 
 
 def block_kinds(config: Any) -> tuple[str, ...]:
@@ -53,9 +77,7 @@ def block_kinds(config: Any) -> tuple[str, ...]:
 
     Published MoE stacks mix them (DeepSeek-V3's first dense layers, Qwen2-MoE's `mlp_only_layers`
     and `decoder_sparse_step`); each kind is estimated on its own uniform config (`kind_config`)."""
-    spec = model_experts(config)
-    layers = set(spec.layers) if spec is not None else set()
-    return tuple("moe" if i in layers else "dense" for i in range(config.num_hidden_layers))
+    return _stack(config)[1]
 
 
 @functools.lru_cache(maxsize=32)
@@ -80,8 +102,9 @@ def kind_config(config: Any, kind: str) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_options(config_json: str) -> dict[str, Any]:
-    """The options meshkit's converter gives this model's MoE layers, read off a converted meta model."""
+def _layer_options(config_json: str) -> tuple[tuple[str, Any], ...]:
+    """The options meshkit's converter gives this model's MoE layers, read off a converted meta model
+    (sorted items: hashable, so measurements cache by options, not by config)."""
     cfg = config_from_key(config_json)
     cfg.num_hidden_layers = 1
     with torch.device("meta"):
@@ -89,26 +112,42 @@ def _layer_options(config_json: str) -> dict[str, Any]:
     convert_moe_blocks(model)
     moe = llama.moe_modules(llama.parts(model))[0]
     shared = moe.shared_expert.gate_proj.out_features if moe.shared_expert is not None else 0
-    return dict(num_experts=moe.num_experts, top_k=moe.top_k, score_func=moe.score_func,
-                normalize_topk=moe.normalize_topk, route_scale=moe.route_scale, capacity_factor=moe.capacity_factor,
-                aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, bias_update_rate=moe.bias_update_rate,
-                keep_router_stats=moe.keep_router_stats, intermediate_size=moe.intermediate_size,
-                shared_intermediate_size=shared)
+    return tuple(sorted(dict(
+        num_experts=moe.num_experts, top_k=moe.top_k, score_func=moe.score_func,
+        normalize_topk=moe.normalize_topk, route_scale=moe.route_scale, capacity_factor=moe.capacity_factor,
+        aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, bias_update_rate=moe.bias_update_rate,
+        keep_router_stats=moe.keep_router_stats, intermediate_size=moe.intermediate_size,
+        shared_intermediate_size=shared).items()))
 
 
 def layer_options(config: Any) -> dict[str, Any]:
     """Expert count, top-k, expert and shared-expert widths and balancing options of the MoE layers."""
-    return _layer_options(config_key(kind_config(config, "moe")))
+    return dict(_layer_options(config_key(kind_config(config, "moe"))))
 
 
-def _measure(options: dict[str, Any], tokens: int, hidden: int, inter: int, shared: int,
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the small measurements on one intra-op thread.
+
+    Their matmuls are a few dozen rows wide: a second OpenMP thread buys nothing, and on a loaded
+    machine every parallel region waits for a descheduled thread (milliseconds per op, 100x slower).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(options: dict[str, Any], tokens: int, hidden: int, inter: int, shared: int, experts: int,
              dtype: str) -> dict[str, int]:
     """Bytes one forward of a real small `MoE` keeps for backward, by "mode/part" (parameters
     excluded): mode "none" counts what autograd saves, "selective" what meshkit's policy keeps."""
     opts = {k: v for k, v in options.items() if k not in ("intermediate_size", "shared_intermediate_size",
                                                           "keep_router_stats", "num_experts", "top_k")}
     torch.manual_seed(0)
-    layer = MoE(hidden, inter, options["num_experts"], options["top_k"], shared_intermediate_size=shared,
+    layer = MoE(hidden, inter, experts, options["top_k"], shared_intermediate_size=shared,
                 expert_backend="loop", dtype=DTYPES[dtype], **opts)
     layer.keep_router_stats = options["keep_router_stats"]
     recorder = Recorder({storage_key(p) for p in layer.parameters()})
@@ -135,48 +174,84 @@ class LayerBytes:
         return {p: int(self.per_token[p] * tokens + self.fixed[p]) for p in self.per_token}
 
 
-@functools.lru_cache(maxsize=64)
-def _identify(config_json: str, hidden: int, dtype: str) -> LayerBytes:
-    options = _layer_options(config_json)
-    dims = {"hidden": (48, 80), "inter": (40, 72)}
+# The proxy layer's shapes: two values per dimension to identify its slope, and one point past all
+# of them to check the identification. Few experts: the loop backend runs one matmul per expert.
+_TOKENS = (24, 40)
+_CHECK_TOKENS = 56
+
+
+def _proxy_dims(options: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The dimensions the saved bytes are identified along, each with its two proxy values: the
+    expert count starts just above top-k (every expert a real choice), never at the model's count."""
+    k = options["top_k"]
+    dims = {"hidden": (48, 80), "inter": (40, 72), "experts": (k + 1, k + 3)}
     if options["shared_intermediate_size"]:
         dims["shared"] = (24, 56)
+    return dims
+
+
+@functools.lru_cache(maxsize=64)
+def _identify(options_items: tuple[tuple[str, Any], ...], hidden: int, dtype: str) -> LayerBytes:
+    """Saved bytes of the model's MoE layer as an exact function of its shapes, measured on a proxy.
+
+    A real layer of the model's expert count would cost one matmul per expert per run (256 for
+    DeepSeek-V3), so a few-expert proxy with the model's top-k and options runs instead, and the
+    bytes are identified as linear in tokens x (hidden, expert width, expert count, shared width,
+    1), plus a fixed part linear in the same shapes. One run past every identified value checks
+    that; a layer that is not linear raises rather than extrapolating. Cached per process by the
+    layer's options: models sharing them share the measurement.
+    """
+    options = dict(options_items)
+    dims = _proxy_dims(options)
     base = {name: pair[0] for name, pair in dims.items()}
-    t0, t1 = 24, 40
-
-    def run(tokens: int, **point: int) -> dict[str, int]:
-        p = {**base, **point}
-        return _measure(options, tokens, p["hidden"], p["inter"], p.get("shared", 0), dtype)
-
-    def per_token(**point: int) -> dict[str, Fraction]:
-        a, b = run(t0, **point), run(t1, **point)
-        return {k: Fraction(b.get(k, 0) - a.get(k, 0), t1 - t0) for k in set(a) | set(b)}
-
-    at_base = per_token()
-    slopes = {name: {k: (per_token(**{name: hi}).get(k, 0) - at_base.get(k, 0)) / (hi - lo) for k in at_base}
-              for name, (lo, hi) in dims.items()}
-    first = run(t0)
-    fixed = {k: first.get(k, 0) - at_base[k] * t0 for k in at_base}
-
-    def predict(tokens: int, point: dict[str, int]) -> dict[str, Fraction]:
-        return {k: (at_base[k] + sum(slopes[n][k] * (point[n] - base[n]) for n in dims)) * tokens + fixed[k]
-                for k in at_base}
-
     check = {name: hi + 8 for name, (_, hi) in dims.items()}
-    measured = run(56, **check)
-    expected = predict(56, check)
-    if any(measured.get(k, 0) != expected[k] for k in expected) or set(measured) - set(expected):
+    points = [(t, {}) for t in _TOKENS] + [(t, {n: hi}) for n, (_, hi) in dims.items() for t in _TOKENS]
+    points.append((_CHECK_TOKENS, check))
+    runs: dict[tuple[int, tuple[tuple[str, int], ...]], dict[str, int]] = {}
+    with _one_thread(), tqdm(points, desc="meshkit.estimate: measuring the MoE layer", unit="run", delay=2,
+                             leave=False, disable=None) as progress:
+        for tokens, point in progress:
+            p = {**base, **point}
+            runs[tokens, tuple(sorted(point.items()))] = _measure(
+                options, tokens, p["hidden"], p["inter"], p.get("shared", 0), p["experts"], dtype)
+
+    def line(point: dict[str, int]) -> tuple[dict[str, Fraction], dict[str, Fraction]]:
+        """(per-token, fixed) bytes at one proxy point, from its two token counts."""
+        key = tuple(sorted(point.items()))
+        a, b = runs[_TOKENS[0], key], runs[_TOKENS[1], key]
+        slope = {k: Fraction(b.get(k, 0) - a.get(k, 0), _TOKENS[1] - _TOKENS[0]) for k in keys}
+        return slope, {k: a.get(k, 0) - slope[k] * _TOKENS[0] for k in slope}
+
+    keys = list(dict.fromkeys(k for run in runs.values() for k in run))  # parts in the order they ran
+    per0, fixed0 = line({})
+    lines = {n: line({n: hi}) for n, (_, hi) in dims.items()}
+
+    def coefficient(at_base: dict[str, Fraction], at_hi: dict[str, Fraction], name: str) -> dict[str, Fraction]:
+        lo, hi = dims[name]
+        return {k: (at_hi[k] - at_base[k]) / (hi - lo) for k in keys}
+
+    per_slope = {n: coefficient(per0, lines[n][0], n) for n in dims}
+    fixed_slope = {n: coefficient(fixed0, lines[n][1], n) for n in dims}
+
+    def at(point: dict[str, int]) -> LayerBytes:
+        delta = {n: point[n] - base[n] for n in dims}
+        return LayerBytes({k: per0[k] + sum(per_slope[n][k] * delta[n] for n in dims) for k in keys},
+                          {k: fixed0[k] + sum(fixed_slope[n][k] * delta[n] for n in dims) for k in keys})
+
+    measured = runs[_CHECK_TOKENS, tuple(sorted(check.items()))]
+    expected = at(check)
+    predicted = {k: expected.per_token[k] * _CHECK_TOKENS + expected.fixed[k] for k in keys}
+    if any(measured.get(k, 0) != predicted[k] for k in keys):
         raise RuntimeError(f"meshkit.estimate: the MoE layer's saved bytes are not linear in its shapes "
-                           f"({measured} measured vs {expected} identified); the estimator cannot extrapolate them")
-    real = {"hidden": hidden, "inter": options["intermediate_size"], "shared": options["shared_intermediate_size"]}
-    per = {k: at_base[k] + sum(slopes[n][k] * (real[n] - base[n]) for n in dims) for k in at_base}
-    return LayerBytes(per, fixed)
+                           f"({measured} measured vs {predicted} identified); the estimator cannot extrapolate them")
+    return at({"hidden": hidden, "inter": options["intermediate_size"], "experts": options["num_experts"],
+               "shared": options["shared_intermediate_size"]})
 
 
 def layer_activations(config: Any, tokens: int, dtype: str, ac: str) -> dict[str, int]:
     """Bytes one MoE layer keeps for `tokens` tokens on this rank (AC none or selective), by part."""
     if ac == "full":
         return {}
-    identified = _identify(config_key(kind_config(config, "moe")), config.hidden_size, dtype)
+    identified = _identify(_layer_options(config_key(kind_config(config, "moe"))), config.hidden_size, dtype)
     prefix = ac + "/"
     return {k[len(prefix):]: n for k, n in identified.at(tokens).items() if k.startswith(prefix) and n}
