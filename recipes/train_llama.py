@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -381,7 +382,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
             print(f"meshkit: nothing to train: resumed at step {first_step} of {cfg.steps}", flush=True)
         return {}
     steady = times[1:] or times
-    summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
+    summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": statistics.median(steady),
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
                "run_id": ckpt.run_id, "data_wait_s": sum(waits)}
     if rank == 0:

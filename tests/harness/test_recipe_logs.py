@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -67,6 +68,9 @@ def test_short_recipe_run_logs_sane_scalars_and_prints_each_held_out_loss(dist, 
 
     tokens = 2 * LOCAL_BATCH * SEQ  # dp=2 ranks x local_batch rows x seq_len, one micro-batch
     flops = _model_flops_per_token(train_llama.load_config(str(ROOT / "recipes" / "configs" / "debug_cpu.toml")).model)
+    # The summary's median step leaves out the first (warm-up) step; with two left it is their mean, not the larger.
+    assert outcomes[0].value["median_step_s"] == pytest.approx(statistics.median(
+        scalars["train/step_s"][s] for s in steps[1:]), rel=1e-5)
     for step in steps:
         tps = scalars["train/tokens_per_s_per_device"][step]
         assert tps == pytest.approx(tokens / scalars["train/step_s"][step] / 2, rel=1e-5)
