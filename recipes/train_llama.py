@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -29,6 +30,8 @@ import torch.distributed as dist
 from checkpointing import Checkpointing
 from loss_plot import write_loss_plot
 from nonfinite import NonFiniteGuard
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from tqdm import tqdm
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
     DataConfig,
     RunConfig,
@@ -38,11 +41,13 @@ from train_config import (  # the recipe's own module beside this script (the sc
     build_parser,
     load_config,
 )
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import meshkit
-from meshkit import heartbeat, metrics
+from meshkit import estimate, heartbeat, metrics
 from meshkit.mesh import ensure_process_group, world_size_from_env
+from meshkit.models.moe import moe_spec
 from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
 # ------------------------------------------------------------------------------------------- data
@@ -137,9 +142,6 @@ def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg:
     before trusting it for a plan they cannot try. The workload mirrors the loop: under pipelining the
     local batch is split into the plan's microbatches, and grad_accum pipeline calls make up a step.
     """
-    from meshkit import estimate
-    from meshkit.models.moe import moe_spec
-
     spec = moe_spec(model_config)
     if spec is not None and len(spec.layers) != model_config.num_hidden_layers:
         return None
@@ -197,8 +199,6 @@ def _profiler(enabled: bool, trace_dir: Path, steps: int):
     """A few-step torch.profiler window, or None. Traces open in TensorBoard or chrome://tracing."""
     if not enabled:
         return None
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     wait = 1 if steps > 4 else 0
     return profile(activities=activities,
@@ -252,8 +252,6 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     cfg = run.train
     preflight.check_filesystem(run, model_config)
 
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     n_nonembedding = metrics.count_nonembedding_params(model)
@@ -302,8 +300,6 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     predicted = _predict(model_config, plan, world, cfg) if rank == 0 else None  # only rank 0 prints and logs
     if predicted is not None:
         logger.log(first_step, {"predicted_peak_gib": predicted / 2**30})
-
-    from tqdm import tqdm
 
     # A bar only on a terminal: piped into a log (make demo), it would interleave with the step lines.
     bar = tqdm(total=cfg.steps, initial=first_step - 1, disable=rank != 0 or not sys.stderr.isatty(),
@@ -386,7 +382,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
             print(f"meshkit: nothing to train: resumed at step {first_step} of {cfg.steps}", flush=True)
         return {}
     steady = times[1:] or times
-    summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": sorted(steady)[len(steady) // 2],
+    summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": statistics.median(steady),
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
                "run_id": ckpt.run_id, "data_wait_s": sum(waits)}
     if rank == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,14 +22,14 @@ if str(ROOT / "recipes") not in sys.path:
     sys.path.insert(0, str(ROOT / "recipes"))
 import train_llama  # noqa: E402  (the recipe's folder is on sys.path, as `python recipes/train_llama.py` has it)
 
-STEPS, SEQ, LOCAL_BATCH, PEAK_TFLOPS = 4, 32, 2, 1.0
+STEPS, SEQ, LOCAL_BATCH, PEAK_TFLOPS = 3, 32, 2, 1.0
 
 
 def _train(log_dir: str) -> dict:
     run = train_llama.load_config(str(ROOT / "recipes" / "configs" / "debug_cpu.toml"))
     run.plan = train_llama.meshkit.Plan(dp_shard=2)
     run.train = dataclasses.replace(run.train, steps=STEPS, seq_len=SEQ, local_batch=LOCAL_BATCH, grad_accum=1,
-                                    eval_every=3, eval_batches=1, log_every=10, warmup_steps=1, threads=1,
+                                    eval_every=2, eval_batches=1, log_every=10, warmup_steps=1, threads=1,
                                     log_dir=log_dir, name="run", peak_tflops=PEAK_TFLOPS)
     return train_llama.train(run)
 
@@ -47,7 +48,7 @@ def test_short_recipe_run_logs_sane_scalars_and_prints_each_held_out_loss(dist, 
     assert all(o.ok for o in outcomes), "\n".join(f"rank {o.rank}: {o.message}\n{o.traceback}" for o in outcomes)
     console = outcomes[0].output
     eval_lines = [line for line in console.splitlines() if "eval_loss" in line]
-    assert [re.match(r"step (\d+)/", line).group(1) for line in eval_lines] == ["3", "4"], console
+    assert [re.match(r"step (\d+)/", line).group(1) for line in eval_lines] == ["2", "3"], console
 
     assert f"loss curve: {tmp_path / 'run' / 'loss.png'}" in console
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -60,13 +61,16 @@ def test_short_recipe_run_logs_sane_scalars_and_prints_each_held_out_loss(dist, 
                 "train/mfu", "train/peak_rss_gib"):
         assert sorted(scalars.get(tag, {})) == steps, (tag, sorted(scalars))
         assert all(math.isfinite(v) and v > 0 for v in scalars[tag].values()), (tag, scalars[tag])
-    assert sorted(scalars["eval/loss"]) == [3, 4] and sorted(scalars["eval/perplexity"]) == [3, 4]
+    assert sorted(scalars["eval/loss"]) == [2, 3] and sorted(scalars["eval/perplexity"]) == [2, 3]
     for step, loss in scalars["eval/loss"].items():
         assert 0 < loss < 2 * math.log(256) and scalars["eval/perplexity"][step] == pytest.approx(math.exp(loss), rel=1e-5)
     assert scalars["train/predicted_peak_gib"][1] > 0
 
     tokens = 2 * LOCAL_BATCH * SEQ  # dp=2 ranks x local_batch rows x seq_len, one micro-batch
     flops = _model_flops_per_token(train_llama.load_config(str(ROOT / "recipes" / "configs" / "debug_cpu.toml")).model)
+    # The summary's median step leaves out the first (warm-up) step; with two left it is their mean, not the larger.
+    assert outcomes[0].value["median_step_s"] == pytest.approx(statistics.median(
+        scalars["train/step_s"][s] for s in steps[1:]), rel=1e-5)
     for step in steps:
         tps = scalars["train/tokens_per_s_per_device"][step]
         assert tps == pytest.approx(tokens / scalars["train/step_s"][step] / 2, rel=1e-5)
