@@ -4,16 +4,30 @@ Full recompute keeps only each block's input (2sbh bytes per layer) and re-runs 
 backward. Selective keeps the outputs of the expensive ops (matmuls, attention, and the reduce-scatter
 that ends each SP region, so backward never re-communicates it) and recomputes the cheap elementwise
 ops and norms that dominate activation memory for little compute.
+
+Selective checkpointing replays by op count: the recompute's n-th call of an op gets the forward's
+n-th output (or is re-run). Work a recompute legitimately does differently therefore runs outside
+that bookkeeping (`_compat.hidden_from_selective_checkpoint`): the hooks of an FSDP unit nested in a
+block (an MoE layer's experts, sharded over their own mesh: the forward all-gathers, the recompute
+may find the weights prefetched and becomes FSDP's iteration root, with its own profiler labels) and
+an MoE layer's routing (the recompute replays it, skipping the forward's top-k and dispatch
+planning with their collectives). So every block, MoE or dense, is checkpointed selectively under
+every plan.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+from meshkit._compat import (
+    enter_hidden_from_selective_checkpoint,
+    exit_hidden_from_selective_checkpoint,
+    selective_checkpoint_contexts,
+)
 
 
 def _saved_ops() -> set:
@@ -47,7 +61,7 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
+    return selective_checkpoint_contexts(_selective_policy)
 
 
 class CheckpointedBlock(nn.Module):
@@ -70,22 +84,29 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str,
-                                   full_only: Callable[[nn.Module], bool] | None = None) -> list[nn.Module]:
-    """Return the blocks wrapped for `mode` ("none" returns them unchanged).
-
-    Blocks for which `full_only` (if given) is true get full checkpointing under "selective": selective
-    checkpointing replays the forward's op sequence by position, which a block whose recompute
-    legitimately skips ops (an MoE layer replaying its stored routing under TP or EP, where the
-    forward's dispatch planning issues collectives the recompute does not) would break.
-    """
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
+    """Return the blocks wrapped for `mode` ("none" returns them unchanged)."""
     if mode == "none":
         return list(blocks)
-    return [CheckpointedBlock(block, "full" if mode == "selective" and full_only and full_only(block) else mode)
-            for block in blocks]
+    return [CheckpointedBlock(block, mode) for block in blocks]
 
 
-def moe_blocks_full(tp: int, ep: int) -> bool:
-    """Whether "selective" checkpoints MoE blocks fully: with tp > 1 or ep > 1 their recompute replays
-    the stored routing without the forward's dispatch planning, which SAC's op replay cannot follow."""
-    return tp > 1 or ep > 1
+def _enter_hidden(*_args) -> None:
+    enter_hidden_from_selective_checkpoint()
+
+
+def _exit_hidden(*_args) -> None:
+    exit_hidden_from_selective_checkpoint()
+
+
+def hide_hooks_from_selective_checkpoint(module: nn.Module) -> None:
+    """Run the forward hooks already on `module` (FSDP's, for a unit nested in a checkpointed block)
+    outside selective checkpointing's op bookkeeping; call it right after `fully_shard(module)`.
+
+    Hooks registered around the existing ones open and close the region: one before the first
+    pre-hook, one after the last; the same around the post-hooks (the closing one runs on errors too).
+    """
+    module.register_forward_pre_hook(_enter_hidden, prepend=True)
+    module.register_forward_pre_hook(_exit_hidden)
+    module.register_forward_hook(_enter_hidden, prepend=True)
+    module.register_forward_hook(_exit_hidden, always_call=True)

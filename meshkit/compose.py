@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
 from meshkit._compat import align_group_timeouts
-from meshkit.activation_checkpoint import apply_activation_checkpointing, moe_blocks_full
+from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.expert_parallel import MoE, apply_expert_parallel
 from meshkit.inference import refuse_hf_forward
@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     expert_fsdp_mesh = _apply_expert_parallel(plan, mesh, moes) if moes else None
     context_parallel = _context_parallel_attention(plan, mesh) if plan.cp > 1 else None
     blocks = list(parts.blocks)
-    for i, block in zip(held, _apply_activation_checkpointing(plan, [blocks[i] for i in held])):
+    for i, block in zip(held, apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)):
         blocks[i] = block
         if plan.compile:
             block.compile()
@@ -181,10 +181,3 @@ def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallel
                                         ring_group=ring_group, grad_dtype=grad_dtype)
     return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype,
                                     keep_kv=plan.cp_keep_kv)
-
-
-def _apply_activation_checkpointing(plan: Plan, blocks: list[nn.Module]) -> list[nn.Module]:
-    """Checkpoint each block as the plan says; MoE blocks fully where "selective" cannot replay them
-    (tp > 1 or ep > 1: recompute replays the stored routing without the forward's collectives)."""
-    full_only = llama.has_moe if moe_blocks_full(plan.tp, plan.ep) else None
-    return apply_activation_checkpointing(blocks, plan.activation_checkpointing, full_only=full_only)

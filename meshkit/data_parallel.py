@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import Shard
 
 from meshkit._compat import fsdp_sum_gradients
+from meshkit.activation_checkpoint import hide_hooks_from_selective_checkpoint
 from meshkit.local_tensor import local_tensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,6 +112,7 @@ def apply_fsdp_to_stages(
     for moe in expert_layers:
         apply_fsdp([], moe.experts, expert_mesh, shard_placement_fn=expert_placement(expert_mesh.shape[-1]),
                    **policy)
+        hide_hooks_from_selective_checkpoint(moe.experts)  # a unit inside the (checkpointed) block
     for stage in stages:
         edges = [stage.embed] if stage.embed is not None and not tied else []
         tail = [[stage.norm, stage.lm_head]] if stage.lm_head is not None and not tied else []

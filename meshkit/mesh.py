@@ -102,12 +102,21 @@ def require_launcher(plan: Plan) -> None:
         )
 
 
+# Meshes built in this process, by (device type, axis sizes), for the default group in _MESHES_WORLD.
+# Every `init_device_mesh` creates its process groups anew (gloo: threads and sockets each) and torch
+# frees none of them before the process ends, so a second model under the same layout (an evaluation
+# copy, a notebook re-run, a test suite's hundreds of plans) reuses the first one's mesh instead.
+_MESHES: dict[tuple[str, tuple[int, ...]], DeviceMesh] = {}
+_MESHES_WORLD: list[object] = []
+
+
 def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
-    """Build THE mesh for `plan`: one `init_device_mesh` call, then the flattened `dp`, `dp_shard_cp`, `dp_cp`.
+    """THE mesh for `plan`: one `init_device_mesh` call, then the flattened `dp`, `dp_shard_cp`, `dp_cp`.
 
     The plan is validated against the world size before any collective, so a mismatch raises the same
     ValueError on every rank. Outside torchrun, a plan that needs more than one process raises with
-    the `torchrun` command that would run it.
+    the `torchrun` command that would run it. A later call with the same axis sizes in the same
+    process group returns the same mesh (every rank calls in the same order, so every rank agrees).
     """
     require_launcher(plan)
     world = world_size_from_env()
@@ -115,9 +124,17 @@ def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     device_type = device_type or default_device_type()
     ensure_process_group(device_type)
     shape = tuple(getattr(plan, axis) for axis in AXES)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-    for name, axes in DERIVED.items():
-        flatten_mesh(mesh[axes], name)
+    key = (device_type, shape)
+    world = dist.group.WORLD
+    if _MESHES and _MESHES_WORLD[0] is not world:  # a new default group: the old meshes' groups are gone
+        _MESHES.clear()
+    _MESHES_WORLD[:] = [world]
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+        for name, axes in DERIVED.items():
+            flatten_mesh(mesh[axes], name)
+        _MESHES[key] = mesh
     align_group_timeouts()  # the axes' groups get the default group's collective timeout, not torch's 30 min
     return mesh
 

@@ -112,12 +112,8 @@ def count_nonembedding_params(model: torch.nn.Module) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "none",
-                    n_nonembedding: int | None = None, *, moe_blocks_full: bool = False) -> FlopsPerToken:
-    """Training FLOPs per token for a sequence length and AC mode (convention in the module doc).
-
-    `moe_blocks_full`: under "selective", MoE blocks are checkpointed fully (what `parallelize` does
-    with tp > 1 or ep > 1, see `activation_checkpoint.moe_blocks_full`), so their recompute counts.
-    """
+                    n_nonembedding: int | None = None) -> FlopsPerToken:
+    """Training FLOPs per token for a sequence length and AC mode (convention in the module doc)."""
     if activation_checkpointing not in ("none", "selective", "full"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: must be none, selective or full")
     n = nonembedding_params(config) if n_nonembedding is None else n_nonembedding
@@ -125,8 +121,7 @@ def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "
     layers = config.num_hidden_layers
     spec = moe_spec(config)
     moe_layers = set(spec.layers) if spec is not None else set()
-    full = {i for i in range(layers) if activation_checkpointing == "full" or (
-        activation_checkpointing == "selective" and moe_blocks_full and i in moe_layers)}
+    full = range(layers) if activation_checkpointing == "full" else ()
     # A dense block's last matmul (down_proj) is not re-run; an MoE block's experts are, because the
     # combine's weighting saves their outputs (see module doc).
     recompute = float(sum(

@@ -101,8 +101,11 @@ class Plan:
                 problems.append(f"{name}={value!r}: must be a positive int")
         if isinstance(self.pp_split, list):
             object.__setattr__(self, "pp_split", tuple(self.pp_split))
+        elif isinstance(self.pp_split, str):  # "4/8/12", as strings and flags write it (a TOML preset too)
+            object.__setattr__(self, "pp_split", _parse_value(type(self), "pp_split", self.pp_split))
         if not isinstance(self.pp_split, tuple) or not all(isinstance(b, int) for b in self.pp_split):
-            problems.append(f"pp_split={self.pp_split!r}: must be a list of first-layer indices, e.g. [4, 8, 12]")
+            problems.append(f"pp_split={self.pp_split!r}: must be a list of first-layer indices, e.g. [4, 8, 12] "
+                            f"(or \"4/8/12\")")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {DTYPES}")
@@ -331,6 +334,9 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return tuple(int(x) for x in value.replace("/", " ").split())
         except ValueError:
             raise PlanError.of(f"pp_split={value!r}: write first-layer indices as 4/8/12") from None
+    if any(sep in value for sep in ("=", " ", ";")):  # "tp=2 dp_shard=2": options run together
+        raise PlanError.of(f"{key}={value!r}: one option per key=value, separated by commas; fix: write "
+                           f"e.g. \"tp=2,dp_shard=-1\"")
     if kind.startswith("int"):
         if "None" in kind and lowered in ("none", "null", "auto", ""):
             return None

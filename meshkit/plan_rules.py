@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama, roles
 from meshkit.models.moe import moe_spec
+from meshkit.pipeline.split import split_layers
 
 if TYPE_CHECKING:
     from meshkit.plan import Plan
@@ -126,6 +127,13 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
                 f"{stages - 2} decoder layers (embedding and head count as one each); the model has "
                 f"{config.num_hidden_layers}; fix: fewer stages"
             )
+        elif plan.pp_split and len(plan.pp_split) == stages - 1:
+            # The split points only mean something against the model's layer count: checked here, with the
+            # plan, so validate() reports them before any rank builds a mesh.
+            try:
+                split_layers(config.num_hidden_layers, stages, plan.pp_split)
+            except ValueError as err:
+                problems.append(str(err))
     spec = moe_spec(config)
     ep_problem = expert_split_problem(plan.ep, spec.num_experts) if spec is not None and plan.ep > 1 else None
     if ep_problem:

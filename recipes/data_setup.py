@@ -28,7 +28,8 @@ def check_data_config(data: DataConfig) -> None:
     """The [data] table's own consistency (no file is opened)."""
     if data.synthetic and (data.path or data.weights):
         raise ValueError(f"[data] synthetic = true with path = {data.path!r} / weights = {data.weights}: choose one "
-                         "(synthetic Markov tokens, or a token store)")
+                         "(synthetic Markov tokens, or a token store); fix: add --no-synthetic to train on the store "
+                         "(the preset sets synthetic = true), or drop --path/--weights")
     if data.path and data.weights:
         raise ValueError("[data] path and weights both given; fix: path = one store, or weights = {\"<store dir>\" = "
                          "weight, ...} to blend several")
@@ -43,6 +44,7 @@ class SyntheticData:
     def __init__(self, markov: Any, grad_accum: int, branching: int):
         self.markov, self.grad_accum = markov, grad_accum
         self.reference = f"floor ln({branching}) = {math.log(branching):.4f}"
+        self.reference_loss = (f"floor ln({branching})", math.log(branching))  # (what, value) for the loss plot
 
     def step_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
         """Step `step`'s micro-batches: the chain's batches are a function of the step number."""
@@ -58,6 +60,7 @@ class StoreData:
     def __init__(self, loader: PackedLoader, val: PackedLoader | None, grad_accum: int, entropy: float):
         self.loader, self.val, self.grad_accum = loader, val, grad_accum
         self.reference = f"unigram entropy of the corpus {entropy:.4f}"
+        self.reference_loss = ("unigram entropy of the corpus", entropy)  # (what, value) for the loss plot
         self.entropy = entropy
 
     @property

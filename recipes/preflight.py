@@ -21,8 +21,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import data_setup  # the recipe's own module beside this one (the script's folder is on sys.path)
+
 import meshkit
 from meshkit import estimate
+from meshkit.models.moe import LLAMA_MOE_KEY
 from meshkit.step.consensus import raise_if_any
 
 # Ranges of the known [train] and [data] fields; fields other modules add are type-checked only.
@@ -33,7 +36,9 @@ POSITIVE = ("lr", "timeout_s")
 FRACTION = ("beta1", "beta2")  # [0, 1)
 RATIO = ("min_lr_ratio",)  # [0, 1]
 CHOICES = {"on_nonfinite": ("error", "skip")}
-RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type")
+# Keys of [model] that are no HF config field yet mean something: the recipe's own, and meshkit's Llama-MoE
+# switch (a `meshkit_moe` table swaps a Llama-family model's MLPs for meshkit MoE layers).
+RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type", LLAMA_MOE_KEY)
 
 
 def check_config_file(path: str | None) -> None:
@@ -113,10 +118,18 @@ def model_key_problems(table: dict[str, Any], config: Any) -> list[str]:
 def shape_problems(run: Any, model_config: Any, world: int) -> list[str]:
     """Sequence length and batch shape against the plan, before any process group exists."""
     cfg = run.train
+    found = []
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:  # the token-store loader refuses it too; synthetic data as well
+        found.append(f"[train] seq_len={cfg.seq_len}: above the model's max_position_embeddings={limit} (positions "
+                     f"past it extrapolate the rotary embedding silently); fix: --seq-len {limit} or less, or "
+                     f"--model-set max_position_embeddings={cfg.seq_len}")
     try:
         plan = run.plan.validate(model_config, world_size=world, seq_len=cfg.seq_len)
-    except ValueError as err:
-        return [str(err)]
+    except meshkit.PlanError as err:  # one "[plan]" line per violation, not a list nested in the list
+        return found + [f"[plan] {line.strip()[2:]}" for line in str(err).splitlines()[1:]]
+    if found:
+        return found
     if plan.pp > 1 and cfg.local_batch % plan.microbatches:
         return [f"[train] local_batch={cfg.local_batch}: the plan splits each batch into {plan.microbatches} "
                 f"pipeline microbatches; fix: a local_batch divisible by {plan.microbatches}"]
@@ -126,6 +139,10 @@ def shape_problems(run: Any, model_config: Any, world: int) -> list[str]:
 def check_config(run: Any, model_config: Any, world: int) -> None:
     """Every config problem at once, as one ValueError (pure: identical on every rank)."""
     found = field_problems(run.train, "train") + field_problems(run.data, "data")
+    try:
+        data_setup.check_data_config(run.data)
+    except ValueError as err:
+        found.append(str(err))
     found += model_key_problems(run.model, model_config)
     if not found:  # shapes need sane numbers
         found += shape_problems(run, model_config, world)

@@ -27,6 +27,7 @@ import preflight
 import torch
 import torch.distributed as dist
 from checkpointing import Checkpointing
+from loss_plot import write_loss_plot
 from nonfinite import NonFiniteGuard
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
     DataConfig,
@@ -41,7 +42,6 @@ from transformers.utils import logging as hf_logging
 
 import meshkit
 from meshkit import heartbeat, metrics
-from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.mesh import ensure_process_group, world_size_from_env
 from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
@@ -288,8 +288,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
     guard = NonFiniteGuard(cfg.on_nonfinite, rank)
 
-    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding,
-                                  moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
+    fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
     global_tokens = pm.dp_size * cfg.local_batch * cfg.grad_accum * cfg.seq_len
     name = _run_name(run)
@@ -370,7 +369,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
                        prefix="eval/")
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
-        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps)):
+        # A held-out loss is printed when it is computed, even between log_every lines.
+        if rank == 0 and (step % cfg.log_every == 0 or step in (first_step, cfg.steps) or step in eval_losses):
             bar.write(metrics.format_step_line(step, cfg.steps, values))
     if prof is not None:
         prof.stop()
@@ -399,11 +399,14 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
             memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
         elif predicted:  # RSS also holds the interpreter and libraries: no ratio to tensor bytes
             memory += f"; the estimator predicts {predicted / 2**30:.3g} GiB of tensors"
+        plot = write_loss_plot(log_dir / "loss.png", dict(zip(range(first_step, cfg.steps + 1), losses)), eval_losses,
+                               data.reference_loss)
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
               f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
               f"{memory} | "
-              f"TensorBoard: tensorboard --logdir {cfg.log_dir}", flush=True)
+              f"TensorBoard: tensorboard --logdir {cfg.log_dir} | loss curve: "
+              f"{plot or 'not drawn (pip install matplotlib)'}", flush=True)
     return summary
 
 

@@ -27,7 +27,8 @@ SLOW_CASES: dict[str, str] = {
     "tests/memory/test_zero.py::test_zero_stage_and_grad_sync_match_single_device"
     "[zero=2,grad_sync=last_microbatch,tp=2,dp_shard=2]": "zero=2 under cp, pp and HSDP; zero=3 under tp",
     "tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_plans_match_single_device"
-    "[dp_shard=2,tp=2,ep=2,activation_checkpointing=selective-4]": "dp_shard=2,tp=2,ep=2 and dp_shard=4 selective",
+    "[dp_shard=2,tp=2,ep=2,activation_checkpointing=selective-4]":
+        "test_moe_selective_ac (this plan: selective vs no AC vs HF) and dp_shard=4 selective",
     "tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_plans_match_single_device"
     "[dp_shard=4,ep=2,activation_checkpointing=full-4]": "dp_shard=4 selective",
     "tests/expert_parallel/test_expert_parallel.py::test_hf_moe_models_match_the_unconverted_hf_model"
@@ -66,4 +67,10 @@ SLOW_CASES: dict[str, str] = {
         "usp2x2 (hf.py's merging-kind path) and test_ring_sinks[allgather-zigzag-False-4] (the all-gather op)",
     "tests/models/test_attention_sinks.py::test_sinks_under_tp_and_ring[tp4-mqa]":
         "tp2-zigzag2 (sinks split over tp), test_families gpt_oss-tp, test_kv_replication tp=4 MQA",
+    "tests/parallel/test_parallelize.py::test_eight_rank_plans[tp=8,dp_shard=1]":
+        "tp=4 in test_kv_replication (TP wider than the K/V heads) and the 8-rank siblings with tp=2",
+    "tests/parallel/test_inference.py::test_logits_and_greedy_tokens_match_the_single_device_model"
+    "[tp=2,dp_shard=2-spec0]": "the same plan on Gemma-2 (spec7) and, with ep, on Llama-MoE (spec5)",
+    "tests/models/test_kv_replication.py::test_kv_heads_fewer_than_tp[tp=4,sequence_parallel=false-model1]":
+        "tp=4 (four ranks per K/V head) and tp=2,dp_shard=2 (MQA); TP without SP in test_tp_no_sp",
 }

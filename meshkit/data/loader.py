@@ -50,7 +50,8 @@ def check_fits_model(store: TokenStore | Mapping[str, TokenStore], seq_len: int,
         if s.vocab_size > config.vocab_size:
             problems.append(f"token store {str(s.path)!r} has a vocabulary of {s.vocab_size} tokens, the model's "
                             f"embedding {config.vocab_size} rows; fix: a store made with the model's own tokenizer "
-                            "(prepare --tokenizer <model dir>)")
+                            f"(prepare --tokenizer <model dir>), or, for a model trained from scratch, a config with "
+                            f"vocab_size >= {s.vocab_size} (the recipe: --model-set vocab_size={s.vocab_size})")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -177,7 +177,11 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
         docs = datasets.concatenate_datasets([docs, sources.read_documents(val_found, **read)])
     if tok is None:
         texts = (batch["text"] for batch in docs.select(range(n_train_inputs)).iter(batch_size=1000))
-        tok = tokenizers_lib.train_bpe(texts, vocab_size, tmp / store.TOKENIZER)
+        if progress:  # seconds per MiB of input, silent otherwise: say what runs before the tokenize bar
+            print(f"prepare: training a byte-level BPE of {vocab_size} tokens on the {n_train_inputs} input "
+                  f"documents", file=sys.stderr, flush=True)
+        tok = tokenizers_lib.train_bpe(texts, vocab_size, tmp / store.TOKENIZER, show_progress=progress,
+                                       length=n_train_inputs)
     else:
         tok.save_pretrained(str(tmp / store.TOKENIZER))
     text_bytes = sum(f.stat().st_size for inputs in (found, val_found) if inputs for f in inputs.files())

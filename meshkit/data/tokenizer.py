@@ -45,11 +45,14 @@ def tokenizer_hash(tok: PreTrainedTokenizerFast) -> str:
     return hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, output: str | os.PathLike) -> PreTrainedTokenizerFast:
+def train_bpe(texts: Iterable[str], vocab_size: int, output: str | os.PathLike, *,
+              show_progress: bool = False, length: int | None = None) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE of `vocab_size` tokens (EOS included) on `texts`, saved as an HF tokenizer.
 
     Byte-level with the full 256-byte initial alphabet, so every input, seen or not, encodes without an
-    unknown token. Deterministic for the same texts in the same order.
+    unknown token. Deterministic for the same texts in the same order. On a large corpus training takes
+    minutes: `show_progress` draws the trainer's own bars (on a terminal; `length` = sequences in
+    `texts`, for its first bar).
     """
     if vocab_size < 257 + 1:
         raise ValueError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 258 tokens (256 bytes, "
@@ -57,9 +60,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str | os.PathLike) 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer=trainer)
+    bpe.train_from_iterator(texts, trainer=trainer, length=length)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN)
     tok.save_pretrained(str(output))
     return load_tokenizer(output, "trained tokenizer")

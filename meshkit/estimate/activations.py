@@ -38,7 +38,8 @@ from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models import llama
 from meshkit.models import quirks as quirks_lib
-from meshkit.models.moe import identity_stand_in, moe_spec
+from meshkit.models.hf_moe import identity_stand_in
+from meshkit.models.moe import moe_spec
 from meshkit.step import loss as loss_lib
 
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",

@@ -159,18 +159,18 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         edges = int(first) + int(last_stage)  # embedding output and LM-head input cross the SP boundary
         if plan.sequence_parallel:
             # A dense block gathers before attention and MLP; an MoE block's MLP half routes the rank's
-            # own sequence shard, so only attention gathers, and under TP every AC mode but none is
-            # full AC for it: recompute re-runs attention's pair. A mixed stack sums both kinds.
+            # own sequence shard, so only attention gathers: its recompute re-runs that gather (any AC)
+            # and attention's reduce-scatter (full AC; selective keeps its output). A mixed stack sums both.
             rec_ag, rec_rs = {"none": (0, 0), "selective": (2, 0), "full": (2, 1)}[ac]
-            moe_rec = int(ac != "none")
+            moe_rec_ag, moe_rec_rs = {"none": (0, 0), "selective": (1, 0), "full": (1, 1)}[ac]
             what = {(True, False): ("attention/MLP inputs", "o/down outputs", "conjugates"),
                     (False, True): ("attention inputs", "o outputs", "conjugate")}.get(
                 (dense_blocks > 0, moe_blocks > 0), ("attention (+MLP in dense blocks) inputs",
                                                      "o (+down in dense blocks) outputs", "conjugates"))
             add("tp", "all_gather", f"SP: {what[0]} (fwd), RS {what[2]} (bwd), recompute",
-                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec) + edges), bsh, t, None)
+                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec_ag) + edges), bsh, t, None)
             add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
-                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec) + edges), bsh, t, None)
+                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges), bsh, t, None)
         if plan.sequence_parallel:
             # replicated norm weights see a sequence shard: their gradients are reduced once per call
             add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),

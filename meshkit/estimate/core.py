@@ -29,7 +29,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshkit import metrics
-from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.comm import Collective, communication
@@ -188,8 +187,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
         raise ValueError(f"ep={plan.ep}: the model is dense, with no experts to shard; fix: ep=1")
     if spec is not None and expert_split_problem(plan.ep, spec.num_experts):
         raise ValueError(expert_split_problem(plan.ep, spec.num_experts))
-    flops = metrics.flops_per_token(config, workload.seq, plan.activation_checkpointing,
-                                    moe_blocks_full=moe_blocks_full(plan.tp, plan.ep))
+    flops = metrics.flops_per_token(config, workload.seq, plan.activation_checkpointing)
     share = workload.mbs * workload.seq / (plan.tp * plan.cp) / (device.peak_flops * workload.mfu)
     heads, d_qk, d_v = roles.score_value_dims(config)
     # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block

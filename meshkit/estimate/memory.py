@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import transformers
 
-from meshkit.activation_checkpoint import moe_blocks_full
 from meshkit.data_parallel import expert_shard_dim
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
@@ -209,7 +208,7 @@ def _one_kind(config: Any, kind: str | None) -> tuple[Any, str]:
 
 
 def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                      dtype: str = "bfloat16", ac: str = "none", ep: int = 1, kind: str | None = None) -> dict[str, int]:
+                      dtype: str = "bfloat16", ac: str = "none", kind: str | None = None) -> dict[str, int]:
     """Bytes one block keeps between its forward and backward, by part, on one rank: the traced
     block, plus the measured MoE layer in an MoE block (each TP rank routes its own sequence shard).
 
@@ -219,8 +218,6 @@ def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequenc
     """
     config, kind = _one_kind(config, kind)
     is_moe = kind == "moe"
-    if is_moe and ac == "selective" and moe_blocks_full(tp, ep):
-        ac = "full"  # what parallelize does: SAC's op replay cannot follow the routing replay
     out = acts.traced_block_activations(config, batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
                                         dtype=dtype, ac=ac)
     if is_moe:
@@ -230,7 +227,7 @@ def block_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequenc
 
 
 def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
-                          dtype: str = "bfloat16", ac: str = "none", ep: int = 1, kind: str | None = None) -> int:
+                          dtype: str = "bfloat16", ac: str = "none", kind: str | None = None) -> int:
     """Bytes one block (of `kind`, in a mixed stack) needs on top of what it kept while its backward runs.
 
     Under AC the block's dropped tensors come back all at once (recompute), then its gradients
@@ -238,7 +235,7 @@ def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, seq
     gradient in flight. Without AC only the gradient buffers remain.
     """
     config, kind = _one_kind(config, kind)
-    kw = dict(batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, ep=ep, kind=kind)
+    kw = dict(batch=batch, seq=seq, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, kind=kind)
     kept = sum(block_activations(config, ac=ac, **kw).values())
     everything = sum(block_activations(config, ac="none", **kw).values())
     largest = batch * acts.trace_block(config, seq, tp, dtype).largest
@@ -308,9 +305,9 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
     stages = stage_kinds(config, plan)[pp_rank]
     on_rank = sorted({k for stage in stages for k in stage})
-    per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, ep=plan.ep, kind=k, **kw),
+    per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, kind=k, **kw),
                                 config, plan, workload) for k in on_rank}
-    transient = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, ep=plan.ep, kind=k, **kw)
+    transient = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, kind=k, **kw)
                      for k in on_rank), default=0)
     if last:
         transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))

@@ -1,7 +1,8 @@
 """`MoE`: a token-choice top-k mixture-of-experts layer with expert parallelism and load balancing.
 
-The layer is written once for one rank or many: `apply_expert_parallel` keeps a contiguous block of
-E/ep experts per rank and sets the groups; forward is unchanged (dispatch.py does the travelling).
+The layer is written once for one rank or many: `apply_expert_parallel` (placement.py) keeps a
+contiguous block of E/ep experts per rank and sets the groups; forward is unchanged (dispatch.py does
+the travelling). What a model's MoE layers do together (bias steps, aux losses) is in layers.py.
 
 Three decisions shape this file:
 
@@ -9,8 +10,8 @@ Three decisions shape this file:
   runs forward again inside backward; re-running top-k there can pick other experts (a bias update in
   between, non-deterministic kernels, near ties) and silently corrupt gradients. Each forward that
   builds a graph stores its decision (top-k ids, capacity mask, dispatch plan, global load counts) in
-  a record owned by the graph; recompute pops the oldest live record instead of routing. Records
-  retire when backward passes the router (or when the graph is freed), so nothing accumulates.
+  a record owned by the graph (replay.py); recompute pops the oldest live record instead of routing.
+  Records retire when backward passes the router (or when the graph is freed), so nothing accumulates.
   Backward must visit a layer's forwards in forward order, as a plain loop, gradient accumulation and
   every pipeline schedule do.
 - **Auxiliary losses train the router through the layer's output**, not through the model's loss: a
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,10 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
-from meshkit._compat import in_backward
+from meshkit._compat import hidden_from_selective_checkpoint, in_backward
 from meshkit.expert_parallel.balancing import AttachLoss, RouterStats, router_z_loss, switch_aux_loss
 from meshkit.expert_parallel.dispatch import (
     DispatchPlan,
@@ -49,36 +47,8 @@ from meshkit.expert_parallel.dispatch import (
 )
 from meshkit.expert_parallel.expert_variants import ROW_LAYOUT, Activation, ExpertLayout, silu_glu
 from meshkit.expert_parallel.grouped_gemm import Backend, GroupedExperts, SwiGLU
+from meshkit.expert_parallel.replay import KeepAlive, Routing, pop_oldest, remember
 from meshkit.local_tensor import local_tensor
-
-
-@dataclass(eq=False)
-class _Routing:
-    """One forward's routing decision, replayed by its recompute."""
-
-    num_tokens: int = 0
-    expert_TK: Tensor | None = None
-    plan: DispatchPlan | None = None
-    counts_E: Tensor | None = None  # routed counts summed over the load group (for stats)
-    num_tokens_global: Tensor | None = None
-    retired: bool = False
-
-
-class _KeepAlive(torch.autograd.Function):
-    """Identity whose graph node owns a `_Routing`: it lives as long as the graph and retires when
-    backward reaches the router logits, which is after any recompute of the layer."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, routing: _Routing) -> Tensor:
-        ctx.routing = routing
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        if ctx.routing is not None:
-            ctx.routing.retired = True
-            ctx.routing = None
-        return grad, None
 
 
 class MoE(nn.Module):
@@ -202,7 +172,7 @@ class MoE(nn.Module):
         self.aux_loss: Tensor | None = None
         self.aux_loss_total: Tensor | None = None  # sum of aux_loss * aux_loss_scale until reset: as trained
         self.router_stats: RouterStats | None = None
-        self._records: deque[weakref.ref[_Routing]] = deque()
+        self._records: deque[weakref.ref[Routing]] = deque()
         if device is None or torch.device(device).type != "meta":
             self.reset_parameters()
 
@@ -258,7 +228,7 @@ class MoE(nn.Module):
             return logits_TE.softmax(dim=-1)
         return logits_TE.sigmoid()
 
-    def _route(self, scores_TE: Tensor, routing: _Routing, stats_needed: bool) -> Tensor:
+    def _route(self, scores_TE: Tensor, routing: Routing, stats_needed: bool) -> Tensor:
         """Decide top-k (and capacity), plan the dispatch and sum counts over the load group; no graph.
 
         Returns this rank's routed assignments per expert (before capacity drops) for the bias counts.
@@ -296,20 +266,6 @@ class MoE(nn.Module):
         keep_TE = keep_TG.repeat_interleave(E // self.n_group, dim=1)
         return select_TE.masked_fill(~keep_TE, float("-inf"))
 
-    def _pop_record(self, num_tokens: int) -> _Routing | None:
-        while self._records:
-            routing = self._records.popleft()()
-            if routing is None or routing.retired:
-                continue
-            if routing.num_tokens != num_tokens:
-                raise RuntimeError(
-                    f"MoE recompute saw {num_tokens} tokens but the oldest pending forward routed "
-                    f"{routing.num_tokens}: backward must visit this layer's forwards in forward order"
-                )
-            routing.retired = True
-            return routing
-        return None
-
     # -- forward ------------------------------------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
@@ -320,23 +276,25 @@ class MoE(nn.Module):
         recompute = in_backward()
         stats_needed = (self.training and torch.is_grad_enabled() or self.measure_balance) and (
             self.aux_loss_coef > 0 or self.z_loss_coef > 0 or self.keep_router_stats)
-        routing = self._pop_record(x_TH.shape[0]) if recompute else None
+        routing = pop_oldest(self._records, x_TH.shape[0]) if recompute else None
         replayed = routing is not None
         if routing is None:
-            routing = _Routing()
+            routing = Routing()
             if not recompute and logits_TE.requires_grad:
-                logits_TE = _KeepAlive.apply(logits_TE, routing)
-                self._records = deque(r for r in self._records if (live := r()) is not None and not live.retired)
-                self._records.append(weakref.ref(routing))
+                logits_TE = KeepAlive.apply(logits_TE, routing)
+                self._records = remember(self._records, routing)
         scores_TE = self._probs(logits_TE)
         if replayed:
             self.replays += 1
         else:
-            routed_E = self._route(scores_TE, routing, stats_needed)
-            if recompute:
-                self.reroutes += 1
-            else:
-                self._count(routing.plan, routed_E)
+            # What a replaying recompute skips (top-k, dispatch planning and its collectives, the
+            # bookkeeping) is hidden from selective checkpointing, so its op counts match the forward's.
+            with hidden_from_selective_checkpoint():
+                routed_E = self._route(scores_TE, routing, stats_needed)
+                if recompute:
+                    self.reroutes += 1
+                else:
+                    self._count(routing.plan, routed_E)
 
         weights_TK = scores_TE.gather(1, routing.expert_TK)
         if self.normalize_topk:
@@ -364,7 +322,7 @@ class MoE(nn.Module):
         if self.load_counts_E is not None and self.training:
             self.load_counts_E += routed_E
 
-    def _balance(self, out_TH: Tensor, logits_TE: Tensor, scores_TE: Tensor, routing: _Routing,
+    def _balance(self, out_TH: Tensor, logits_TE: Tensor, scores_TE: Tensor, routing: Routing,
                  recompute: bool) -> Tensor:
         probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
         stats = RouterStats(
@@ -384,8 +342,9 @@ class MoE(nn.Module):
             self.router_stats = stats if self.keep_router_stats else None
             self.aux_loss = None if aux is None else aux.detach()
             if aux is not None:
-                weighted = self.aux_loss * self.aux_loss_scale
-                self.aux_loss_total = weighted if self.aux_loss_total is None else self.aux_loss_total + weighted
+                with hidden_from_selective_checkpoint():  # forward-only bookkeeping, like the routing's
+                    weighted = self.aux_loss * self.aux_loss_scale
+                    self.aux_loss_total = weighted if self.aux_loss_total is None else self.aux_loss_total + weighted
         if aux is not None:
             out_TH = AttachLoss.apply(out_TH, aux, self.aux_loss_scale)
         return out_TH
@@ -407,94 +366,3 @@ class MoE(nn.Module):
         loads_E = loads_E.float()
         bias_E += self.bias_update_rate * torch.sign(loads_E.mean() - loads_E)
         self.load_counts_E.zero_()
-
-
-def moe_layers(module: nn.Module) -> list[MoE]:
-    """Every meshkit MoE layer under `module`."""
-    return [m for m in module.modules() if isinstance(m, MoE)]
-
-
-def update_expert_biases(module: nn.Module) -> None:
-    """`update_bias` on every MoE under `module`, with one all-reduce per distinct load group."""
-    layers = [m for m in moe_layers(module) if m.load_counts_E is not None and m.selection_bias is not None]
-    by_group: dict[int, list[MoE]] = {}
-    for m in layers:
-        by_group.setdefault(id(m.load_group), []).append(m)
-    for group_layers in by_group.values():
-        loads = torch.cat([m.load_counts_E for m in group_layers])
-        group = group_layers[0].load_group
-        if group is not None:
-            dist.all_reduce(loads, group=group)
-        for m, loads_E in zip(group_layers, loads.split([m.num_experts for m in group_layers])):
-            m.update_bias(loads_E)
-
-
-def aux_loss_value(module: nn.Module) -> Tensor | None:
-    """Sum of the attached aux losses of the last forward (detached; this rank's share, for logging)."""
-    losses = [m.aux_loss for m in moe_layers(module) if m.aux_loss is not None]
-    return torch.stack(losses).sum() if losses else None
-
-
-def pop_router_stats(module: nn.Module) -> list[RouterStats]:
-    """The `router_stats` of every MoE with `keep_router_stats`, cleared so graphs are not kept alive."""
-    stats = []
-    for m in moe_layers(module):
-        if m.router_stats is not None:
-            stats.append(m.router_stats)
-            m.router_stats = None
-    return stats
-
-
-def _group_of(ep: ProcessGroup | DeviceMesh) -> tuple[ProcessGroup, DeviceMesh | None]:
-    if isinstance(ep, DeviceMesh):
-        if ep.ndim != 1:
-            raise ValueError(f"the expert-parallel mesh must be 1D, got axes {ep.mesh_dim_names}")
-        return ep.get_group(), ep
-    return ep, None
-
-
-def expert_split_problem(ep: int, num_experts: int) -> str | None:
-    """Why `ep` ranks cannot each hold num_experts/ep whole experts, with the fix, or None.
-
-    The one statement of the rule: the Plan (from the config), `parallelize` (from the model's
-    layers), the estimator and `apply_expert_parallel` all ask it.
-    """
-    if num_experts % ep == 0:
-        return None
-    return (f"ep={ep}: each expert-parallel rank holds num_experts/ep experts, and {ep} does not divide "
-            f"num_experts={num_experts}; fix: ep in {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
-
-
-def apply_expert_parallel(
-    moe: MoE, ep: ProcessGroup | DeviceMesh | None, *, load_group: ProcessGroup | None = None,
-    aux_loss_scale: float = 1.0,
-) -> MoE:
-    """Keep this rank's contiguous block of E/ep experts and route over `ep`, in place.
-
-    `ep` is a process group or 1D mesh; with a mesh the expert weights become DTensors Shard(0) on it;
-    None keeps every expert (ep = 1) and only sets the groups. `load_group` is where balancing
-    statistics are summed; it defaults to the ep group, but must be every rank that splits the batch
-    (and holds a copy of `expert_bias`), e.g. all data x context ranks, or biases drift apart and the
-    aux loss is not the global batch's. `aux_loss_scale` multiplies the gradient of the attached
-    auxiliary losses (1/microbatches: each microbatch's aux loss is a whole batch's worth).
-    """
-    moe.aux_loss_scale = aux_loss_scale
-    if ep is None:
-        moe.load_group = load_group
-        return moe
-    group, mesh = _group_of(ep)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    problem = expert_split_problem(size, moe.num_experts)
-    if problem:
-        raise ValueError(f"apply_expert_parallel: {problem}")
-    if moe.num_local_experts != moe.num_experts:
-        raise ValueError("apply_expert_parallel: this MoE's experts are already sharded")
-    local = moe.num_experts // size
-    for name, param in list(moe.experts.named_parameters(recurse=False)):  # experts on dim 0, biases too
-        block = param.detach()[rank * local : (rank + 1) * local].clone()
-        if mesh is not None:
-            block = DTensor.from_local(block, mesh, [Shard(0)], run_check=False)
-        setattr(moe.experts, name, nn.Parameter(block))
-    moe.ep_group = group
-    moe.load_group = group if load_group is None else load_group
-    return moe

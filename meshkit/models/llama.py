@@ -4,7 +4,7 @@ This is the only module that knows Hugging Face module names. Everything else as
 of a causal LM (embedding, decoder blocks, final norm, LM head, rotary embedding) and for the *role*
 of each layer inside a block (column- or row-parallel linear, sequence-parallel norm, ...), and turns
 roles into parallel styles itself. Llama, Mistral, Qwen2 (attention biases), Qwen3 (per-head q/k
-RMSNorm) and the MoE models Mixtral and Qwen3-MoE (whose sparse blocks `models/moe.py` converts into
+RMSNorm) and the MoE models Mixtral and Qwen3-MoE (whose sparse blocks `models/hf_moe.py` converts into
 meshkit MoE layers first) share these names.
 """
 

@@ -86,7 +86,8 @@ def compile_rank(schedule: Schedule, rank: int, lookahead: int, window: int = 0)
     waiting is posted instead in the latest of the `window` steps before it that is, so that posting
     it costs time the rank spends waiting anyway rather than time between two computes. Its buffer
     (one boundary activation or gradient) is then allocated that much earlier: on a rank that waits
-    for its first input, the receives of its first `window` computes are all posted in that wait.
+    for its first input, the receives of its first `window` computes are all posted in that wait
+    (the runtime's window covers a whole step at pp=4, m=8: see `runtime.RECEIVE_WINDOW`).
     """
     owner, m, last = schedule.stage_to_rank(), schedule.num_microbatches, schedule.num_stages - 1
     actions = schedule.ranks[rank]

@@ -19,8 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshkit.mesh import axis
-from meshkit.models import llama
-from meshkit.models import moe as moe_models
+from meshkit.models import hf_moe, llama
 from meshkit.state.names import is_meshkit_only, non_persistent_buffer_names
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ def materialise(pm: ParallelModel) -> None:
     for part in parts:
         _swap_plain_parameters(part, pm.device)
         part.to_empty(device=pm.device)
-        moe_models.init_moe_buffers(part, pm.device, hf_buffers=True)  # balancing buffers are not parameters
+        hf_moe.init_moe_buffers(part, pm.device, hf_buffers=True)  # balancing buffers are not parameters
     llama.reset_rotary(llama.parts(pm.model).rotary, pm.device)
     llama.reset_scalar_buffers(pm.model)
 

@@ -14,7 +14,8 @@ legacy per-expert format (`...block_sparse_moe.experts.N.w1/w3/w2.weight` for Mi
 when loading; meshkit's MoE keeps the fused layout (`gate_up_proj` [E, 2I, H] = per-expert
 [gate; up] stacked, `down_proj` [E, H, I]), so the loader assembles each rank's experts from the
 per-expert tensors (transformers' own conversion: stack experts on dim 0, gate then up on dim 1).
-A fused checkpoint loads as it is.
+A fused checkpoint loads as it is. HF's empty tensors of a zero-width shared expert (which the
+converted model leaves out) are accepted, and written back on export (`hf_moe.zero_width_shared_expert_shapes`).
 
 Out: `save_hf_checkpoint(pm, directory)` gathers the full state (`pm.full_state_dict()`, every plan)
 and rank 0 writes it with HF's own `save_pretrained` from a fresh meta-device HF model, so the
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkit._compat import dtensor_chunks
 from meshkit.local_tensor import local_tensor
+from meshkit.models import hf_moe
 from meshkit.models import moe as moe_models
 from meshkit.state.names import is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
@@ -143,11 +145,11 @@ def _source(name: str, shape: tuple[int, ...], shapes: dict[str, tuple[int, ...]
     """Where model tensor `name` lives in the files: under its own name or, for MoE, a per-expert format."""
     if name in shapes:
         return _Direct(name, shapes[name])
-    match = moe_models.HF_MOE_PARAM_NAME.fullmatch(name)
+    match = hf_moe.HF_MOE_PARAM_NAME.fullmatch(name)
     if match is None:
         return None
     head, tail = match.groups()
-    for module, gate, up, down in moe_models.HF_EXPERT_FILE_FORMATS:
+    for module, gate, up, down in hf_moe.HF_EXPERT_FILE_FORMATS:
         base = f"{head}{module}"
         if tail == "gate.weight":
             if base + "gate.weight" in shapes:
@@ -189,7 +191,11 @@ def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: 
     used = {k for s in sources.values() for k in s.keys()}
     # A tied weight's second name (lm_head.weight) may be in the file; the embedding is authoritative.
     tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(tensors) | set(aliases)
-    unexpected = sorted(set(shapes) - used - tied)
+    # HF's empty shared-expert tensors (and Qwen2-MoE's gate) of a zero-width shared expert: the
+    # converted model leaves them out, and they add exactly zero.
+    absent = {k for k, (_, shape) in hf_moe.zero_width_shared_expert_shapes(model.config, shapes).items()
+              if shapes.get(k) == shape}
+    unexpected = sorted(set(shapes) - used - tied - absent)
     problems = []
     if missing:
         problems.append(f"{len(missing)} model tensor(s) not in the files: {brief(missing)}")
@@ -263,7 +269,7 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_si
     if it failed. meshkit-only state (DeepSeek-V3 `expert_bias`) is dropped: HF classes have no slot.
     """
     config = pm.model.config
-    if moe_models.is_moe_model(pm.model) and getattr(config, "model_type", None) not in moe_models.MOE_MODEL_TYPES:
+    if moe_models.is_moe_model(pm.model) and getattr(config, "model_type", None) not in hf_moe.MOE_MODEL_TYPES:
         raise ValueError(
             f"save_hf_checkpoint: a {config.model_type} model with meshkit MoE layers (Llama-MoE) has no "
             "Hugging Face class, so from_pretrained could not load it; fix: save it with "
@@ -272,7 +278,7 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_si
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            _write_pretrained(config, moe_models.to_hf_state_dict(state, config), Path(directory), max_shard_size)
+            _write_pretrained(config, hf_moe.to_hf_state_dict(state, config), Path(directory), max_shard_size)
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, or they return as if it worked
             problem = f"save_hf_checkpoint: rank 0 could not write {str(directory)!r}: {type(err).__name__}: {err}"
     raise_if_any(problem, device=pm.device)  # also the barrier: no rank returns before the files exist

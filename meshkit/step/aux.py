@@ -2,7 +2,7 @@
 
 Two kinds reach the gradients. meshkit `MoE` layers with `aux_loss_coef` / `z_loss_coef` attach
 their terms to their output (`AttachLoss`), so they work on any pipeline stage; HF MoE models with
-`output_router_logits` get HF's pooled-over-layers term added to the loss (`models.moe.hf_aux_loss`).
+`output_router_logits` get HF's pooled-over-layers term added to the loss (`models.hf_moe.hf_aux_loss`).
 Either way, one `forward_backward` call's terms are weighted like its cross-entropy:
 
 - by 1/microbatches under pipelining: every microbatch's term is a whole batch's worth (its counts
@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit.expert_parallel import MoE, moe_layers
 from meshkit.mesh import axis
+from meshkit.models import hf_moe
 from meshkit.models import moe as moe_models
 
 
@@ -52,7 +53,7 @@ class AuxLosses:
     def hf_term(self, weight: float) -> torch.Tensor | None:
         """HF's pooled term of the last forward, this rank's share, weighted (pp = 1 only: the plan
         refuses HF's pooled loss under pipelining)."""
-        term = moe_models.hf_aux_loss(self.model) if self.hf else None
+        term = hf_moe.hf_aux_loss(self.model) if self.hf else None
         return None if term is None else term * weight
 
     def total(self, hf_term: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -108,7 +108,9 @@ def test_dataloader_refuses_what_the_model_cannot_take(dist, store_path, tmp_pat
     big = tmp_path / "big"
     write_store(big, [np.array([5, 100, 0])], eos_id=0, vocab_size=128)
     cases = [(store_path, 300, "seq_len=300 is above the model's max_position_embeddings=256"),
-             (str(big), 8, "has a vocabulary of 128 tokens, the model's embedding 64 rows")]
+             (str(big), 8, "has a vocabulary of 128 tokens, the model's embedding 64 rows; fix: a store made with "
+                          "the model's own tokenizer (prepare --tokenizer <model dir>), or, for a model trained from "
+                          "scratch, a config with vocab_size >= 128")]
     for path, seq_len, message in cases:
         outcomes = dist(2).run_raw(_loader_for, "dp_shard=2", path, seq_len)
         assert all(o.exc_type == "ValueError" and message in o.message for o in outcomes), outcomes[0].message

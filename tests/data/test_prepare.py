@@ -242,3 +242,14 @@ def test_cli_exit_status_and_message(tmp_path, corpus, capsys):
                 "--quiet"]) == 0
     assert "1 documents" in capsys.readouterr().out
     assert cli(["info", str(tmp_path / "o")]) == 0
+
+
+def test_bpe_training_says_so_and_its_progress_changes_nothing(tmp_path, corpus, bpe_store, capsys):
+    """Training the BPE runs before the tokenize bar and takes minutes on a large corpus: prepare names
+    it (stderr) when progress is on, and the bars do not change the tokenizer or the tokens."""
+    assert cli(["prepare", str(corpus), "--output", str(tmp_path / "o"), "--vocab-size", "300"]) == 0
+    err = capsys.readouterr().err
+    assert f"prepare: training a byte-level BPE of 300 tokens on the {len(TEXTS) + len(JSONL)} input documents" in err, err
+    loud, quiet = TokenStore(tmp_path / "o"), TokenStore(bpe_store)
+    assert loud.manifest["tokenizer_sha256"] == quiet.manifest["tokenizer_sha256"]
+    assert all(loud.document(i).tolist() == quiet.document(i).tolist() for i in range(quiet.num_documents))

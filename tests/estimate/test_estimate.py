@@ -269,11 +269,13 @@ def test_communication_matches_comm_counter(mesh_runs, key: str) -> None:
 # -------------------------------------------------------------------------- mixture of experts
 
 # Experts split over ep and FSDP'd over the rest (fp32, AC none); TP with SP and per-rank routing under
-# full AC; HSDP in bf16 with selective AC. Routing is whatever the random router does: per-rank
+# full and selective AC (selective keeps attention's reduce-scatter output; both re-run the dispatch
+# all-to-alls); HSDP in bf16 with selective AC. Routing is whatever the random router does: per-rank
 # all-to-all and expert activations vary with it, their sums over the ranks do not.
 MOE_PLANS = {
     "moe_ep_fsdp": "dp_shard=4,ep=2",
     "moe_tp_ep_full": "tp=2,dp_shard=2,ep=2,activation_checkpointing=full",
+    "moe_tp_ep_selective": "tp=2,dp_shard=2,ep=2,activation_checkpointing=selective",
     "moe_hsdp_ep_bf16": "dp_replicate=2,dp_shard=2,ep=2,param_dtype=bfloat16,activation_checkpointing=selective",
     "moe_one_expert_per_ep_rank": "dp_shard=4,ep=2",
 }

@@ -20,16 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from meshkit.expert_parallel import MoE, apply_expert_parallel
-from meshkit.models.moe import (
-    convert_moe_blocks,
-    hf_aux_loss,
-    init_moe_buffers,
-    is_moe_model,
-    llama_moe,
-    moe_layers,
-    moe_spec,
-    to_hf_state_dict,
-)
+from meshkit.models.hf_moe import hf_aux_loss, init_moe_buffers, to_hf_state_dict
+from meshkit.models.moe import convert_moe_blocks, is_moe_model, llama_moe, moe_layers, moe_spec
 
 ATOL, RTOL = 1e-6, 1e-5  # fp32; the same for every ep
 VOCAB, BATCH, SEQ = 64, 4, 8

@@ -51,7 +51,7 @@ def full_plans(draw):
     return plan, model, batch
 
 
-@examples(ci=3)
+@examples(ci=2)
 @given(full_plans())
 def test_random_full_plans_on_eight_ranks(dist, case):
     plan, model, batch = case

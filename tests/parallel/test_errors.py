@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import meshkit
@@ -96,29 +97,32 @@ def test_tensor_parallel_peers_with_different_batches(dist):
     _assert_every_rank_raised(outcomes, "peers received different batches")
 
 
-def test_running_without_torchrun():
+@pytest.fixture(scope="module")
+def plain_python_output() -> str:
+    """One `python -c` process without torchrun's environment (a fresh torch import costs ~5 s on 2 cores,
+    so both checks below share it): a 2-rank plan first, which must refuse, then a 1-rank plan, which must
+    train. The refusal leaves no process group behind, so the second call starts from a clean process."""
     code = (
-        "import meshkit\n"
+        "import torch, meshkit\n"
         "from meshkit.testing.reference import ModelSpec\n"
         "try:\n"
         "    meshkit.parallelize(ModelSpec().build(), meshkit.Plan(tp=2))\n"
         "except ValueError as e:\n"
         "    print('ERROR:', e)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert "ERROR:" in out.stdout, out.stdout + out.stderr
-    assert "not started by torchrun" in out.stdout and "torchrun --nproc-per-node 2" in out.stdout
-
-
-def test_single_process_runs_without_torchrun():
-    code = (
-        "import torch, meshkit\n"
-        "from meshkit.testing.reference import ModelSpec\n"
         "pm = meshkit.parallelize(ModelSpec().build(), meshkit.Plan())\n"
         "ids = torch.randint(0, 64, (2, 8))\n"
         "print('LOSS', pm.forward_backward(ids, ids).item())\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert "LOSS" in out.stdout, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_running_without_torchrun(plain_python_output):
+    assert "ERROR:" in plain_python_output, plain_python_output
+    assert "not started by torchrun" in plain_python_output
+    assert "torchrun --nproc-per-node 2" in plain_python_output
+
+
+def test_single_process_runs_without_torchrun(plain_python_output):
+    assert "LOSS" in plain_python_output, plain_python_output

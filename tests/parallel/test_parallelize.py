@@ -54,7 +54,7 @@ def plans_and_models(draw):
     return world, plan, model, batch
 
 
-@examples(ci=4)
+@examples(ci=3)
 @given(plans_and_models())
 def test_random_plans_match_single_device(dist, case):
     world, plan, model, batch = case
@@ -111,3 +111,29 @@ def test_tp_without_fsdp_leaves_gradients_placed_like_parameters(dist, plan, wor
     # Replicate [vocab, hidden] tensor and the norms' gradients Partial.
     for misplaced in dist(world).run(_misplaced_grads, plan):
         assert misplaced == []
+
+
+def _second_model_on_the_same_layout(plan: str, same_layout: str, other_layout: str) -> dict:
+    import os
+
+    import meshkit
+
+    first = compare_training(plan, ModelSpec(), BatchSpec(batch=4, seq=8))
+    threads = len(os.listdir("/proc/self/task"))
+    pm = meshkit.parallelize(ModelSpec(seed=1).build(), meshkit.Plan.from_string(plan))
+    second = compare_training(same_layout, ModelSpec(seed=2), BatchSpec(batch=4, seq=8))
+    threads_grew = len(os.listdir("/proc/self/task")) - threads
+    return dict(first=dataclasses.asdict(first), second=dataclasses.asdict(second), threads_grew=threads_grew,
+                same=pm.mesh is meshkit.init_mesh(meshkit.Plan.from_string(same_layout)),
+                other=pm.mesh is not meshkit.init_mesh(meshkit.Plan.from_string(other_layout)))
+
+
+def test_models_on_one_layout_share_one_mesh(dist):
+    """A second model under the same axis sizes reuses the first one's mesh: torch never frees a mesh's
+    process groups (gloo: threads and sockets), and both models still train like the single-device one."""
+    for r in dist(4).run(_second_model_on_the_same_layout, "dp_shard=2,tp=2",
+                         "tp=2,dp_shard=2,activation_checkpointing=full", "dp_shard=4"):
+        assert r["same"] and r["other"], r
+        assert r["threads_grew"] == 0, r
+        assert_matches_reference([r["first"]], "the first model")
+        assert_matches_reference([r["second"]], "a second model on the reused mesh")

@@ -51,7 +51,7 @@ def composed(draw):
     return world, _plan(pp, schedule, v, m, other), model, batch
 
 
-@examples(ci=3)
+@examples(ci=2)
 @given(composed())
 def test_pipeline_composed_with_other_axes(dist, case):
     world, plan, model, batch = case

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from meshkit.pipeline.actions import ActionKind, compute_only
-from meshkit.pipeline.program import compile_rank
+from meshkit.pipeline.program import compile_rank, idle_before
+from meshkit.pipeline.runtime import RECEIVE_WINDOW
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.pipeline.simulate import simulate
 
@@ -33,7 +34,7 @@ def _consumer_step(schedule, rank: int) -> dict:
 
 
 @pytest.mark.parametrize("name,v", CASES)
-@pytest.mark.parametrize("window", [0, 3, 16])
+@pytest.mark.parametrize("window", [0, 3, 16, RECEIVE_WINDOW])
 def test_steps_keep_the_order_and_post_receives_within_the_window(name, v, window):
     schedule = build_schedule(name, 3, 6, v)
     timeline = simulate(schedule).timeline
@@ -60,3 +61,37 @@ def test_steps_keep_the_order_and_post_receives_within_the_window(name, v, windo
                     moved += step < usual
     # ranks after the first wait for their first input: with a window, receives move into that wait
     assert (moved > 0) == (window > 0)
+
+
+@pytest.mark.parametrize("name,v", CASES)
+def test_gloo_window_takes_every_receive_of_a_waiting_rank_off_its_busy_steps(name, v):
+    """The runtime's gloo window at pp=4, m=8: a rank whose first compute waits for its input posts
+    every one of its receives in a step where it waits anyway (the simulator's), none between two
+    busy computes (the first test checks each still precedes its consumer)."""
+    schedule = build_schedule(name, 4, 8, v)
+    for rank in range(1, 4):
+        waits = idle_before(schedule)[rank]
+        assert 0 in waits, (name, rank)
+        steps = compile_rank(schedule, rank, 1, RECEIVE_WINDOW)
+        receives = [(j, p.action) for j, (posts, _) in enumerate(steps) for p in posts if not p.send]
+        assert receives and all(j in waits for j, _ in receives), (name, rank)
+
+
+@pytest.mark.parametrize("name", ["zb_v", "dualpipe_v"])
+def test_the_v_tip_is_handed_over_locally_never_through_the_transport(name):
+    """Rank p-1 holds stages p-1 and p (the V's tip): stage p's forward input and stage p-1's output
+    gradient are this rank's own tensors, so no step posts a transfer for that boundary and no
+    transfer anywhere has its own rank as the peer."""
+    p = 4
+    schedule = build_schedule(name, p, 8, 2)
+    for rank in range(p):
+        for posts, compute in compile_rank(schedule, rank, 1, RECEIVE_WINDOW):
+            assert all(post.peer != rank for post in posts), (rank, posts)
+            if compute is not None and rank == p - 1 and compute.stage in (p - 1, p):
+                local = (compute.kind is K.F and compute.stage == p) or (
+                    compute.kind in (K.B, K.BW) and compute.stage == p - 1)
+                assert not local or compute.received is None, compute.action
+        if rank == p - 1:
+            tip = [post for posts, _ in compile_rank(schedule, rank, 1, RECEIVE_WINDOW) for post in posts
+                   if post.boundary == p - 1]
+            assert tip == [], tip

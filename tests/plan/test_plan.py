@@ -96,6 +96,24 @@ def test_pipeline_options_are_checked():
     with pytest.raises(ValueError, match=r"8 pipeline stages need at least 6 decoder layers"):
         Plan(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2).validate(_config(num_hidden_layers=2), 4)
     assert Plan.from_string("pp=2,pp_split=3").pp_split == (3,)
+    assert Plan(pp=4, pp_split="1/2/3").pp_split == (1, 2, 3)  # a TOML preset may write the string form
+
+
+@pytest.mark.parametrize("split", [(5,), (0,), (-1,)])
+def test_pp_split_is_checked_against_the_model_by_validate(split):
+    # Before any mesh exists: every rank reaches the same verdict from the plan and the config alone.
+    with pytest.raises(PlanError, match=rf"pp_split=\[{split[0]}\]: need 1 strictly increasing first-layer "
+                                        r"indices in \[1, 4\].*fix: e.g. \[2\]"):
+        Plan(pp=2, pp_split=split).validate(_config(num_hidden_layers=4), world_size=2)
+
+
+def test_pp_split_order_is_checked_and_good_splits_pass():
+    with pytest.raises(PlanError, match=r"pp_split=\[3, 2, 1\]: need 3 strictly increasing"):
+        Plan(pp=4, pp_split=(3, 2, 1)).validate(_config(num_hidden_layers=4), world_size=4)
+    with pytest.raises(PlanError, match=r"pp_split=\[1, 2, 2\]: need 3 strictly increasing"):
+        Plan(pp=4, pp_split="1/2/2").validate(_config(num_hidden_layers=4), world_size=4)
+    Plan(pp=2, pp_split=(4,)).validate(_config(num_hidden_layers=4), world_size=2)  # last stage: the head alone
+    Plan(pp=4, pp_split=(1, 2, 3)).validate(_config(num_hidden_layers=4), world_size=4)
     assert Plan(pp=4).microbatches == 4 and Plan().microbatches == 1
 
 
@@ -146,3 +164,5 @@ def test_unknown_keys_are_named():
         Plan.from_string("tensor_parallel=2")
     with pytest.raises(ValueError, match="must be an int"):
         Plan.from_string("tp=two")
+    with pytest.raises(ValueError, match=r"tp='2 dp_shard=2': one option per key=value, separated by commas"):
+        Plan.from_string("tp=2 dp_shard=2")

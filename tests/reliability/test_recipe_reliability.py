@@ -7,6 +7,7 @@ losses of resumed runs with the uninterrupted run's bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import sys
@@ -79,6 +80,30 @@ def test_shapes_are_checked_against_the_plan():
                                  train=train_config.TrainConfig(local_batch=3))
     with pytest.raises(ValueError, match=r"local_batch=3: the plan splits each batch into 2 pipeline microbatches"):
         preflight.check_config(run, config, world=4)
+
+
+def test_preflight_lists_plan_data_and_position_problems_flat_with_fixes():
+    """Synthetic data too: seq_len past max_position_embeddings is refused (the store loader already did),
+    each plan violation is its own "[plan]" line, and a store given to a synthetic preset names the flag."""
+    config, _, _ = train_config.build_model_config(dict(TINY_MODEL))
+    limit = config.max_position_embeddings
+    run = train_config.RunConfig(model=dict(TINY_MODEL), plan=meshkit.Plan(tp=3),
+                                 train=train_config.TrainConfig(seq_len=2 * limit),
+                                 data=train_config.DataConfig(synthetic=True, path="runs/data/mine"))
+    with pytest.raises(ValueError) as caught:
+        preflight.check_config(run, config, world=4)
+    lines = str(caught.value).splitlines()
+    assert "  - [data] synthetic = true with path = 'runs/data/mine'" in "\n".join(lines)
+    assert "fix: add --no-synthetic" in str(caught.value)
+    run = dataclasses.replace(run, data=train_config.DataConfig())
+    with pytest.raises(ValueError) as caught:
+        preflight.check_config(run, config, world=4)
+    lines = str(caught.value).splitlines()
+    assert lines[1] == (f"  - [train] seq_len={2 * limit}: above the model's max_position_embeddings={limit} (positions "
+                        f"past it extrapolate the rotary embedding silently); fix: --seq-len {limit} or less, or "
+                        f"--model-set max_position_embeddings={2 * limit}")
+    assert lines[2].startswith("  - [plan] world_size=4: the plan needs") and "Plan is invalid" not in lines[2]
+    assert any(line.startswith("  - [plan] tp=3:") for line in lines[3:]), lines
 
 
 def test_save_dir_probe_and_free_space(tmp_path):

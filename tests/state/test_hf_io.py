@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import meshkit
-from meshkit.models.moe import to_hf_state_dict
+from meshkit.models.hf_moe import to_hf_state_dict
 from meshkit.state import hf_checkpoint as hf_io
 from meshkit.testing.reference import BatchSpec, ModelSpec
 
