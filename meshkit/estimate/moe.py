@@ -112,12 +112,18 @@ def _layer_options(config_json: str) -> tuple[tuple[str, Any], ...]:
     convert_moe_blocks(model)
     moe = llama.moe_modules(llama.parts(model))[0]
     shared = moe.shared_expert.gate_proj.out_features if moe.shared_expert is not None else 0
+    # Everything that changes what the layer saves: routing and balancing options, the router's bias,
+    # Qwen2-MoE's shared-expert gate, gpt-oss's expert layout, biases and clamped activation. Group-limited
+    # routing and the selection bias choose experts under no_grad and save nothing: left out, so the
+    # proxy's expert count need not divide into groups.
     return tuple(sorted(dict(
         num_experts=moe.num_experts, top_k=moe.top_k, score_func=moe.score_func,
         normalize_topk=moe.normalize_topk, route_scale=moe.route_scale, capacity_factor=moe.capacity_factor,
         aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, bias_update_rate=moe.bias_update_rate,
         keep_router_stats=moe.keep_router_stats, intermediate_size=moe.intermediate_size,
-        shared_intermediate_size=shared).items()))
+        shared_intermediate_size=shared, router_bias=moe.gate.bias is not None,
+        shared_expert_gate=moe.shared_expert_gate is not None, expert_layout=moe.experts.layout,
+        expert_biases=moe.experts.gate_up_proj_bias is not None, expert_activation=moe.experts.activation).items()))
 
 
 def layer_options(config: Any) -> dict[str, Any]:

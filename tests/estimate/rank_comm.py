@@ -1,5 +1,9 @@
 """What one rank of a 4-rank estimator test holds and moves: its model-state bytes after a step and
-the bytes CommCounter counts in a second step, keyed `kind@axis` as the estimate labels them."""
+the bytes CommCounter counts in a step, keyed `kind@axis` as the estimate labels them.
+
+The first step is counted: on every plan of tests/estimate its collectives carry the same bytes as a
+later step's (compared once, plan by plan), except each rank's share of the MoE all-to-alls, which
+moves with the routing while their total over the ranks, what the tests check, does not."""
 
 from __future__ import annotations
 

@@ -163,7 +163,9 @@ def test_activations_match_saved_tensors(name: str, ac: str, dtype: str) -> None
 
 
 def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> dict:
-    """One rank: model state after a step, live activations at the loss, bytes of a counted step."""
+    """One rank, one step: live activations at its loss and the bytes CommCounter counts in it, then
+    the model state after AdamW's step (one step, not two: every collective's bytes are the same in a
+    later step; only each rank's share of the MoE all-to-alls moves with the routing, not their total)."""
     import meshkit
     from meshkit.step import loss as loss_lib
     from tests.estimate.rank_comm import counted_step, state_bytes
@@ -186,15 +188,12 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
     loss_lib.summed_cross_entropy = snapshot
     try:
         with mode:
-            pm.forward_backward(ids, ids)
+            measured.update(counted_step(pm, plan, ids))
     finally:
         loss_lib.summed_cross_entropy = original
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     opt.step()
-
     measured.update(state_bytes(pm, opt))
-    opt.zero_grad(set_to_none=True)
-    measured.update(counted_step(pm, plan, ids))
     return measured
 
 

@@ -225,7 +225,7 @@ MESH_BATCH, MESH_SEQ = 2, 16
 
 
 def _measure_mixed(name: str, plan_text: str) -> dict:
-    """One rank: its model state after a step, and the bytes CommCounter counts in a second step."""
+    """One rank: the bytes CommCounter counts in a step, then its model state after AdamW's step."""
     from tests.estimate.rank_comm import counted_step, state_bytes
 
     spec = _mixed(name)
@@ -234,13 +234,10 @@ def _measure_mixed(name: str, plan_text: str) -> dict:
     model = spec.build()
     pm = meshkit.parallelize(model, plan)
     ids = torch.randint(0, config.vocab_size, (MESH_BATCH, MESH_SEQ), generator=torch.Generator().manual_seed(0))
-    pm.forward_backward(ids, ids)
+    out = counted_step(pm, plan, ids)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     opt.step()
-
-    out = state_bytes(pm, opt)
-    opt.zero_grad(set_to_none=True)
-    out.update(counted_step(pm, plan, ids))
+    out.update(state_bytes(pm, opt))
     return out
 
 

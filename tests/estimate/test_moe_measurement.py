@@ -3,7 +3,9 @@
 `estimate.moe` never runs a layer of the model's expert count (256 for DeepSeek-V3): it measures a
 proxy with the model's top-k and options and extrapolates in the expert count, the widths and the
 tokens. Here the model's own converted layer, with its real 64 experts, runs at a token count and
-widths the proxy never ran, and every part must match the identification byte for byte.
+widths the proxy never ran, and every part must match the identification byte for byte. (Before the
+proxy carried the router bias, the shared-expert gate and gpt-oss's expert variants, Qwen2-MoE and
+gpt-oss measured short of their real layers.)
 """
 
 from __future__ import annotations
@@ -17,20 +19,24 @@ from meshkit.estimate import moe
 from meshkit.estimate.spec import DTYPES
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models.moe import convert_moe_blocks
+from meshkit.testing.families import family_spec
+from meshkit.testing.reference import ModelSpec
 
-# Mixtral-shaped (softmax, top-2) and DeepSeek-V3-shaped (sigmoid, top-8, route scale, a shared
-# expert), each with 64 routed experts: far past the proxy's top-k + 1 .. top-k + 11.
-CONFIGS = {
-    "mixtral": ("mixtral", dict(hidden_size=96, intermediate_size=88, num_local_experts=64, num_experts_per_tok=2,
-                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                vocab_size=128)),
-    "deepseek_v3": ("deepseek_v3", dict(hidden_size=96, intermediate_size=160, moe_intermediate_size=88,
-                                        n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
-                                        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0,
-                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                        v_head_dim=8, vocab_size=128)),
-}
+# Every HF MoE family meshkit converts, each with 64 routed experts (far past the proxy's top-k + 1 ..
+# top-k + 11), in alternating dtypes: Mixtral, Qwen2-MoE's gated shared expert, OLMoE, gpt-oss's biased
+# router and experts (transposed, interleaved, clamped SwiGLU), DeepSeek-V3's sigmoid group-limited
+# routing with a shared expert.
+CASES = [("mixtral", "float32"), ("mixtral", "bfloat16"), ("qwen2_moe", "bfloat16"), ("olmoe", "float32"),
+         ("gpt_oss", "bfloat16"), ("deepseek_v3", "float32")]
+
+
+def _config(kind: str):
+    spec = ModelSpec(kind="mixtral", experts=64, intermediate=24) if kind == "mixtral" else \
+        family_spec(kind, experts=64, intermediate=24)
+    config = spec.config()
+    if kind == "qwen2_moe":
+        config.mlp_only_layers = []  # block 0 an MoE block too
+    return config
 
 
 def _real_layer_bytes(config, tokens: int, dtype: str) -> dict[str, int]:
@@ -50,17 +56,14 @@ def _real_layer_bytes(config, tokens: int, dtype: str) -> dict[str, int]:
             for part, n in by_part(entries, set()).items()}
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_proxy_identification_matches_the_real_expert_count(name: str, dtype: str) -> None:
-    model_type, fields = CONFIGS[name]
-    config = transformers.AutoConfig.for_model(model_type, **fields)
-    options = moe.layer_options(config)
-    assert options["num_experts"] == 64
+@pytest.mark.parametrize("kind, dtype", CASES)
+def test_proxy_identification_matches_the_real_expert_count(kind: str, dtype: str) -> None:
+    config = _config(kind)
+    assert moe.layer_options(config)["num_experts"] == 64
     tokens = 101
     measured = _real_layer_bytes(config, tokens, dtype)
     assert measured, "the real layer saved nothing: the comparison would be empty"
     for ac in ("none", "selective"):
         real = {k.split("/", 1)[1]: n for k, n in measured.items() if k.startswith(ac + "/") and n}
-        assert moe.layer_activations(config, tokens, dtype, ac) == real, (name, dtype, ac)
+        assert moe.layer_activations(config, tokens, dtype, ac) == real, (kind, dtype, ac)
     assert moe.layer_activations(config, tokens, dtype, "full") == {}
