@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, estimate
 from meshkit.estimate.report import build_parser, device_from_args, parse_tokens
@@ -126,8 +128,11 @@ def layouts(config: Any, world: int, seq: int, device: Device, removed: dict[str
 
 def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: str | Device = "h100", *,
            top: int = 10, mfu: float = 0.45, memory_fraction: float = 0.9,
-           param_dtype: str = "bfloat16") -> SearchResult:
-    """Every layout x AC mode x microbatch size (x schedule under pp), estimated; what fits, ranked."""
+           param_dtype: str = "bfloat16", progress: bool = False) -> SearchResult:
+    """Every layout x AC mode x microbatch size (x schedule under pp), estimated; what fits, ranked.
+
+    A large world takes minutes (tens of thousands of estimates): `progress` shows a bar over the
+    layouts on a terminal (the command line turns it on)."""
     device = DEVICES[device] if isinstance(device, str) else device
     limit = budget(device, memory_fraction)
     host_limit = device.host_memory_bytes * memory_fraction
@@ -137,7 +142,9 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     reasons: dict[str, str] = {}
     considered = 0
     removed: dict[str, int] = {}
-    for layout in layouts(config, world, seq, device, removed):
+    every_layout = list(layouts(config, world, seq, device, removed))
+    for layout in tqdm(every_layout, desc="plan search: layouts", unit="layout", disable=None if progress else True,
+                       file=sys.stderr, leave=False):
         base = dataclasses.replace(layout, param_dtype=param_dtype)
         fam = family(base)
         try:
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     device = device_from_args(args)
     result = search(config, args.world, args.seq, parse_tokens(args.global_batch_tokens), device,
                     top=args.top, mfu=args.mfu,
-                    memory_fraction=args.memory_fraction)
+                    memory_fraction=args.memory_fraction, progress=True)
     print(f"model {args.model}, {args.world} x {device.name}, seq {args.seq}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, assumed compute efficiency {args.mfu:.0%}")
     print(render(result, budget(device, args.memory_fraction), args.world))
