@@ -179,7 +179,7 @@ DEEPSEEK_SHAPED = dict(hidden_size=256, intermediate_size=768, moe_intermediate_
                        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                        routed_scaling_factor=2.5, first_k_dense_replace=2, vocab_size=4096,
                        max_position_embeddings=4096, tie_word_embeddings=False)
-# Layouts the search weighs (the full enumeration takes minutes of MoE measurements on 2 cores): experts
+# Layouts the search weighs (a few, to keep the test short; the full enumeration runs in the plan-search tests): experts
 # over ep, a pipeline whose first stage holds the dense blocks, both, and tp (refused: MLA).
 SEARCH_LAYOUTS = [meshkit.Plan(dp_shard=8, ep=4), meshkit.Plan(pp=2, dp_shard=4),
                   meshkit.Plan(pp=2, dp_shard=4, ep=2), meshkit.Plan(tp=2, dp_shard=4, ep=2)]
