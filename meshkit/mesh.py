@@ -125,10 +125,10 @@ def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     ensure_process_group(device_type)
     shape = tuple(getattr(plan, axis) for axis in AXES)
     key = (device_type, shape)
-    world = dist.group.WORLD
-    if _MESHES and _MESHES_WORLD[0] is not world:  # a new default group: the old meshes' groups are gone
+    default_group = dist.group.WORLD
+    if _MESHES and _MESHES_WORLD[0] is not default_group:  # a new default group: the old meshes' are gone
         _MESHES.clear()
-    _MESHES_WORLD[:] = [world]
+    _MESHES_WORLD[:] = [default_group]
     mesh = _MESHES.get(key)
     if mesh is None:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
