@@ -142,9 +142,9 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     reasons: dict[str, str] = {}
     considered = 0
     removed: dict[str, int] = {}
-    every_layout = list(layouts(config, world, seq, device, removed))
-    for layout in tqdm(every_layout, desc="plan search: layouts", unit="layout", disable=None if progress else True,
-                       file=sys.stderr, leave=False):
+    bar = dict(desc="plan search: layouts", unit="layout", file=sys.stderr, leave=False,
+               disable=None if progress else True)  # None: tqdm shows it on a terminal only
+    for layout in tqdm(layouts(config, world, seq, device, removed), **bar):
         base = dataclasses.replace(layout, param_dtype=param_dtype)
         fam = family(base)
         try:
