@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,hf,float8]"
 	rm -f $(VENV)/.meshkit-installed-*
 	touch $(STAMP)
 
