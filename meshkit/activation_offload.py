@@ -5,13 +5,17 @@ lives in host memory between the block's forward and its backward.
 inside its FSDP unit) in `OffloadedBlock`, whose forward runs under
 `torch.autograd.graph.saved_tensors_hooks`:
 
-- pack: a tensor autograd saves is copied to host memory as soon as it is saved (on an accelerator:
-  into a pinned buffer, on a side stream, the source kept from reuse by `record_stream`), and autograd
-  holds the host copy. Parameters (the gathered weights FSDP frees and re-gathers itself) stay, and a
-  tensor saved by several ops (the input q, k and v share) is copied once.
+- pack: the storage of a tensor autograd saves is copied to host memory as soon as it is saved (on an
+  accelerator: into a pinned buffer, on a side stream, the source kept from reuse by `record_stream`),
+  and autograd holds the host copy and the tensor's view of it. A storage is copied once however many
+  tensors saved of it (the input q, k and v share; the gate and up halves of a packed output), the
+  byte count the estimator's trace makes. Parameters (the gathered weights FSDP frees and re-gathers
+  itself) stay where they are.
 - unpack: in backward, the first tensor a block needs also starts bringing back every tensor of the
   block that ran before it (one block ahead, on the side stream), so the copy overlaps this block's
-  backward; a tensor not yet prefetched is copied back on the spot.
+  backward; a storage not yet prefetched is copied back on the spot. Each saved tensor comes back as
+  the same view (dtype, shape, strides, offset) of its storage, so backward's kernels see the layout
+  they would have seen without offload and the results are bit-identical.
 
 Under activation checkpointing what autograd saves per block is what the checkpoint keeps: the block
 inputs (the selective mode's kept matmul outputs live in checkpointing's own cache, not in autograd's
@@ -20,7 +24,6 @@ copied shard by shard: a DTensor or a float8 training tensor is taken apart into
 tensors (`_compat.subclasses`), so a sequence-sharded activation is never gathered for the copy.
 Pipeline microbatches each get their own copies (a block's forward per microbatch is a fresh set).
 On the CPU the same code runs: the host copy is a real copy, so the tests exercise the path.
-Values are copied bit for bit, so a plan trains exactly as without it.
 """
 
 from __future__ import annotations
@@ -68,19 +71,24 @@ class ActivationOffload:
         self.stream.wait_stream(self._module.current_stream(self.device))  # the saved tensor is computed
         return self._module.stream(self.stream)
 
-    def copy_out(self, t: torch.Tensor) -> Any:
-        """Host copies of `t`'s plain tensors, in `t`'s structure (a wrapper subclass taken apart)."""
+    def copy_out(self, t: torch.Tensor, storages: dict[int, _HostStorage]) -> Any:
+        """What brings `t` back: its storage's host copy (made once per storage: `storages` maps a storage
+        address to its copy) and its view of it; a wrapper subclass is taken apart into its plain tensors."""
         t = ready(t)
         if is_wrapper_subclass(t):
             inner, meta = flatten(t)
             # inner values that are not tensors (torch 2.13's DTensor names its mesh) are kept as they are
-            return _Wrapped({name: self.copy_out(v) if isinstance(v, torch.Tensor) else v
+            return _Wrapped({name: self.copy_out(v, storages) if isinstance(v, torch.Tensor) else v
                              for name, v in inner.items()}, meta)
-        return _Host(t, self)
+        storage = t.untyped_storage()
+        host = storages.get(storage.data_ptr())
+        if host is None:
+            host = storages[storage.data_ptr()] = _HostStorage(storage, t.device, self)
+        return _View(host, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def copy_back(self, copied: Any) -> Any:
         """The tensor `copy_out` took apart, rebuilt on its devices from the host copies."""
-        if isinstance(copied, _Host):
+        if isinstance(copied, _View):
             return copied.to_device()
         if isinstance(copied, _Wrapped):
             return unflatten({name: self.copy_back(v) for name, v in copied.inner.items()}, copied.meta)
@@ -96,23 +104,22 @@ class _Wrapped:
         self.inner, self.meta = inner, meta
 
 
-class _Host:
-    """One plain tensor's host copy, and, once brought back, its device copy."""
+class _HostStorage:
+    """The host copy of one storage autograd saved (all of it: the views saved of it share the copy, and
+    come back as the same views of one device storage, with their strides, so backward's kernels see
+    exactly the layout they would have seen without offload), and, once brought back, its device copy."""
 
-    __slots__ = ("host", "device", "stride", "offload", "back", "__weakref__")
+    __slots__ = ("host", "device", "offload", "back", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, offload: ActivationOffload):
-        on_device = t.device.type != "cpu"
-        # The host copy is compact (empty_like keeps a dense tensor's strides); a view with gaps (a slice of
-        # a packed output) is brought back with its own strides, so backward's kernels see the layout they
-        # would have seen without offload and the results stay bit-identical.
-        self.host = torch.empty_like(t, device="cpu", pin_memory=offload.pin and on_device)
-        self.stride = t.stride() if self.host.stride() != t.stride() else None
-        self.host.copy_(t, non_blocking=offload.pin and on_device)
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, offload: ActivationOffload):
+        on_device = device.type != "cpu"
+        nbytes = storage.nbytes()
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=offload.pin and on_device)
+        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        self.host.copy_(source, non_blocking=offload.pin and on_device)
         if offload.stream is not None and on_device:
-            t.record_stream(offload.stream)  # the allocator keeps t until the side stream has copied it
-        self.device, self.offload, self.back = t.device, offload, None
-        nbytes = self.host.numel() * self.host.element_size()
+            source.record_stream(offload.stream)  # the allocator keeps it until the side stream has copied it
+        self.device, self.offload, self.back = device, offload, None
         offload.offloaded_bytes += nbytes
         offload._held(nbytes)
         weakref.finalize(self, offload._released, nbytes)
@@ -120,13 +127,10 @@ class _Host:
     def prefetch(self) -> None:
         """Start the copy back to the device (issued on whatever stream is current)."""
         if self.back is None:
-            non_blocking = self.offload.pin and self.device.type != "cpu"
-            if self.stride is None:
-                self.back = self.host.to(self.device, non_blocking=non_blocking)
-            else:
-                self.back = torch.empty_strided(self.host.size(), self.stride, dtype=self.host.dtype, device=self.device)
-                self.back.copy_(self.host, non_blocking=non_blocking)
-            self.offload.restored_bytes += self.host.numel() * self.host.element_size()
+            self.back = self.host.to(self.device, non_blocking=self.offload.pin and self.device.type != "cpu")
+            if self.back.data_ptr() == self.host.data_ptr():  # on the CPU .to() is the same tensor
+                self.back = self.host
+            self.offload.restored_bytes += self.host.numel()
 
     def to_device(self) -> torch.Tensor:
         if self.back is None:
@@ -138,12 +142,18 @@ class _Host:
         return self.back
 
 
-def _hosts(copied: Any):
-    if isinstance(copied, _Host):
-        yield copied
-    elif isinstance(copied, _Wrapped):
-        for value in copied.inner.values():
-            yield from _hosts(value)
+class _View:
+    """A saved plain tensor as a view (dtype, shape, strides, offset) of a storage's host copy."""
+
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, storage: _HostStorage, dtype: torch.dtype, size, stride, offset: int):
+        self.storage, self.dtype, self.size, self.stride, self.offset = storage, dtype, size, stride, offset
+
+    def to_device(self) -> torch.Tensor:
+        back = self.storage.to_device()
+        return torch.empty(0, dtype=self.dtype, device=back.device).set_(
+            back.untyped_storage(), self.offset, self.size, self.stride)
 
 
 class _Packed:
@@ -163,8 +173,8 @@ class _BlockStore:
     def __init__(self, offload: ActivationOffload, block: nn.Module, previous: _BlockStore | None):
         self.offload, self.block = offload, block
         self.previous = weakref.ref(previous) if previous is not None else None
-        self.copies: list[_Packed] = []
-        self.seen: dict[int, tuple[torch.Tensor, _Packed]] = {}  # id -> (tensor, its copy) while forward runs
+        self.storages: dict[int, _HostStorage] = {}  # storage address -> its host copy
+        self.sources: list[torch.Tensor] = []  # held while forward runs, so no storage address is reused
         self.started = False
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
@@ -175,13 +185,9 @@ class _BlockStore:
     def pack(self, t: torch.Tensor) -> Any:
         if self._is_parameter(t):
             return t
-        hit = self.seen.get(id(t))
-        if hit is not None and hit[0] is t:
-            return hit[1]
         with self.offload.side_stream():
-            packed = _Packed(self.offload.copy_out(t.detach()))
-        self.seen[id(t)] = (t, packed)
-        self.copies.append(packed)
+            packed = _Packed(self.offload.copy_out(t.detach(), self.storages))
+        self.sources.append(t)
         return packed
 
     @torch.no_grad()
@@ -198,9 +204,8 @@ class _BlockStore:
     def prefetch(self) -> None:
         """Start bringing back every copy of this block, on the side stream."""
         with torch.no_grad(), self.offload.side_stream():
-            for packed in self.copies:
-                for host in _hosts(packed.copied):
-                    host.prefetch()
+            for host in self.storages.values():
+                host.prefetch()
 
 
 class OffloadedBlock(nn.Module):
@@ -229,7 +234,7 @@ class OffloadedBlock(nn.Module):
             with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
                 out = self.block(*args, **kwargs)
         finally:
-            store.seen.clear()
+            store.sources.clear()
         self._last_store = weakref.ref(store)
         return out
 

@@ -15,6 +15,7 @@ from typing import Any
 from meshkit.estimate import moe
 from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
+from meshkit.estimate.zero import gathered_bytes
 from meshkit.mesh import AXES
 from meshkit.models import roles
 from meshkit.plan import Plan
@@ -80,6 +81,7 @@ class FsdpUnit:
     group: int      # ranks its parameters are sharded over
     axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
     regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
+    float8: int = 0  # of `elements`, the projection weights gathered in float8 (float8="tensorwise")
 
 
 def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
@@ -99,8 +101,8 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
     # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
     mixed = len(set(moe.block_kinds(config))) > 1
-    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard)
-              for b in state.block_units]
+    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard,
+                       b.float8) for b in state.block_units]
     out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
     if copies == 2:
         out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard))
@@ -204,11 +206,12 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         red = dtype_bytes(plan.reduce_dtype)
         hides = {"embed": None, "head": t_block_fwd}
         for u in dense if fsdp > 1 else []:
+            gathered = gathered_bytes(plan, u.elements, u.float8)  # float8 projection weights in one byte each
             add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters (fwd)", gathers * u.count,
-                u.elements * act, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
+                gathered, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
             if u.regather:
                 add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
-                    u.elements * act, fsdp, t_bwd / 2)
+                    gathered, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
                 u.elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas

@@ -34,7 +34,7 @@ from meshkit.estimate.spec import (
     config_key,
     dtype_bytes,
 )
-from meshkit.estimate.zero import zero_memory
+from meshkit.estimate.zero import gathered_bytes, zero_memory
 from meshkit.models import llama, roles
 from meshkit.models.moe import convert_moe_blocks
 from meshkit.pipeline.schedules import stage_placement
@@ -161,6 +161,22 @@ def local_numel(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int, fsdp_rank: in
     dim = fsdp_dim(spec, tp, tp_rank, fsdp)
     shape[dim] = _chunk(shape[dim], fsdp, fsdp_rank)
     return math.prod(shape)
+def _float8_converted(spec: ParamSpec, tp: int) -> bool:
+    """Whether `Plan.float8` converts the linear this weight belongs to (`float8.convert.float8_linears`):
+    a colwise or rowwise projection of a block, outside the MoE layer, split plainly under TP."""
+    return (spec.unit == "block" and len(spec.shape) == 2 and spec.role in ("colwise", "kv_colwise", "rowwise")
+            and not spec.tp_summed and (tp == 1 or spec.tp_dim is not None))
+
+
+def float8_params_per_layer(config: Any) -> float:
+    """Parameters of the projections float8 converts, per decoder block, averaged over the stack."""
+    specs, layers, _ = param_specs(config)
+    kinds = moe.block_kinds(config)
+    per_kind = {k: sum(math.prod(s.shape) for s in specs if s.kind == k and _float8_converted(s, 1))
+                for k in set(kinds)}
+    return sum(per_kind[k] for k in kinds) / layers
+
+
 def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, fsdp_rank: int = 0,
                 param_bytes: int = 4) -> ModelState:
     """Exact for the visible local shards (`p.to_local()`), which tests check on a CPU mesh; FSDP2
@@ -176,7 +192,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     edge_count = {"embed": int(pp_rank == first) + int(copy), "head": int(pp_rank == last)}
     numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = partial_tensors = partial_elements = 0
     units = {"embed": 0, "head": 0}
-    kind_units = {k: {"block": 0, "expert": 0} for k in moe.KINDS}
+    kind_units = {k: {"block": 0, "expert": 0, "float8": 0} for k in moe.KINDS}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
         block_part = spec.unit in ("block", "expert")
@@ -209,10 +225,12 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         padded = -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
         if block_part:
             kind_units[spec.kind][spec.unit] += padded
+            if _float8_converted(spec, plan.tp):
+                kind_units[spec.kind]["float8"] += padded
         else:
             units[spec.unit] += padded
-    block_units = tuple(BlockUnits(k, kind_count[k], kind_units[k]["block"], kind_units[k]["expert"])
-                        for k in moe.KINDS if kind_count[k])
+    block_units = tuple(BlockUnits(k, kind_count[k], kind_units[k]["block"], kind_units[k]["expert"],
+                                   kind_units[k]["float8"]) for k in moe.KINDS if kind_count[k])
     units["block"] = max((u.block for u in block_units), default=0)
     units["expert"] = max((u.expert for u in block_units), default=0)
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
@@ -285,7 +303,10 @@ class RankMemory:
     head: dict[str, int]       # final norm, LM head and loss (last stage only)
     transient: int             # max(loss backward buffers, one block's recompute + gradients)
     fsdp_buffers: int          # gathered units and gradient buffers in flight, full gradients kept (ZeRO-1, accumulation)
-    offloaded: int = 0         # model state that Plan.offload keeps in host memory
+    offloaded: int = 0         # model state that Plan.offload keeps in host memory (or on disk)
+    # Plan.activation_offload: per block of each kind, one microbatch, the bytes autograd saves, which
+    # live in host memory from the block's forward to its backward
+    moved: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def held_blocks(self) -> int:
@@ -301,9 +322,18 @@ class RankMemory:
 
     @property
     def activations(self) -> int:
-        """Activation bytes held at the peak (all in-flight microbatches)."""
+        """Activation bytes held on the device at the peak (all in-flight microbatches). Under activation
+        offload the moved bytes are in host memory, but for two blocks' worth: the block whose copies
+        are in flight and, in backward, the block running while the one before it is brought back."""
         blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
+        blocks -= self.activation_host
+        blocks += 2 * max(self.moved.values(), default=0)
         return blocks + self.in_flight * self.shared + sum(self.head.values())
+
+    @property
+    def activation_host(self) -> int:
+        """Host bytes activation offload holds at the peak: every held block-microbatch's saved tensors."""
+        return sum(n * self.moved.get(k, 0) for k, n in self.held.items())
 
     @property
     def peak(self) -> int:
@@ -342,17 +372,25 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
         act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
         unit = max(state.unit_elements.values())
-        reshard = plan.fsdp_reshard
-        gathered = 2 * unit if reshard else \
-            sum(state.unit_elements[k] for k in ("embed", "head")) + state.block_elements
-        fsdp_buffers = gathered * act + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
+        if plan.fsdp_reshard:
+            unit_float8 = max((u.float8 for u in state.block_units if u.block == unit), default=0)
+            gathered = 2 * gathered_bytes(plan, unit, unit_float8)
+        else:
+            gathered = gathered_bytes(plan, sum(state.unit_elements[k] for k in ("embed", "head")) +
+                                      state.block_elements, state.float8_elements)
+        fsdp_buffers = gathered + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
     memory_options = zero_memory(plan, state, config)
     fsdp_buffers += max(memory_options.full_grads, memory_options.window_grads)  # ZeRO-1 / accumulation
     # In-flight pairs may be of any of the rank's stages: the one holding the most bytes sets the peak.
     heaviest = max(stages, key=lambda st: sum(n * sum(per_kind[k].values()) for k, n in st.items()))
     held = {k: in_flight * n for k, n in heaviest.items()}
+    moved = {}
+    if plan.activation_offload:  # what autograd saves: every activation, or under AC the block inputs
+        moved = {k: per_kind[k] if ac == "none" else block_activations(config, sequence_parallel=sp, ac="full",
+                                                                     kind=k, **kw) for k in on_rank}
+        moved = {k: sum(parts.values()) for k, parts in moved.items()}
     return RankMemory(pp_rank, state, per_kind, held, in_flight, acts.shared_activations(config, **kw), head,
-                      transient, fsdp_buffers, memory_options.host)
+                      transient, fsdp_buffers, memory_options.host, moved)
 
 
 def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:

@@ -15,6 +15,8 @@ import torch
 
 import meshkit
 from meshkit.data_parallel.nvme import STATE_BYTES_PER_PARAM, NVMeStore, dir_problem
+from meshkit.estimate.core import estimate
+from meshkit.estimate.spec import Workload
 from meshkit.local_tensor import local_tensor
 from meshkit.testing.reference import ModelSpec
 from tests.data_parallel.windows import assert_windows_match, train_windows
@@ -85,6 +87,11 @@ def test_nvme_equals_host_offload_and_streams_the_state(dist, tmp_path, name):
         assert seen["read"] == 2 * seen["shard_bytes"], seen
         assert seen["file"] >= STATE_BYTES_PER_PARAM * seen["shard_bytes"] // 4, seen
         assert 0 < seen["peak"] <= 2 * seen["largest"], f"{where}: more than two units' state held at once: {seen}"
+    if "pp=" not in plan and not spec.experts:  # the estimator's file on rank 0 (the largest shards; a Llama-MoE spec is dense to the estimator)
+        nvme = meshkit.Plan.from_string(f"{plan},offload=nvme,offload_dir={tmp_path}")
+        cost = estimate(spec.config(), nvme, world, Workload(seq=8, mbs=4 // nvme.dp, microbatches=2)).offload
+        assert cost.disk_state_bytes == results[0]["seen"]["written"] // 2, (cost, results[0]["seen"])
+        assert cost.disk_bytes == results[0]["seen"]["written"]  # read and written once per step
 
 
 def test_checkpoint_saves_nvme_state_and_resumes_under_other_plans(dist, tmp_path):

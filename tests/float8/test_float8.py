@@ -25,6 +25,9 @@ from torch.distributed.tensor import DTensor
 import meshkit
 from meshkit._compat.float8 import torchao_float8
 from meshkit.comm_counter import CommCounter
+from meshkit.estimate.core import estimate
+from meshkit.estimate.spec import Workload
+from meshkit.state import checkpoint
 from meshkit.testing.reference import ADAM_EPS, BatchSpec, ModelSpec
 from tests.tests_support import GRAD_TOL, LOSS_TOL
 
@@ -130,6 +133,10 @@ def test_fsdp_all_gathers_tensorwise_weights_in_float8(dist):
     # each projection weight gathered in 1 byte instead of 4, in forward and again in backward (ZeRO-3)
     saved = r["none"] - r["tensorwise"]
     assert saved == pytest.approx(r["none_float8_params"] * 3 * 2, rel=0.02), r
+    for recipe in ("none", "tensorwise"):  # the estimator's FSDP all-gathers, byte for byte
+        e = estimate(SPEC.config(), meshkit.Plan.from_string(f"dp_shard=2,float8={recipe}"), 2, Workload(seq=16, mbs=2))
+        predicted = sum(c.calls * c.buffer for c in e.comm if c.axis == "dp_shard_cp" and c.kind == "all_gather")
+        assert predicted == r[recipe], (recipe, predicted, r[recipe])
 
 
 def _parallelize(plan: str, spec: ModelSpec) -> None:
@@ -175,3 +182,39 @@ def test_building_a_model_after_import_meshkit_prints_nothing_from_torchao():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "torchao" not in run.stderr and "Enum subclass" not in run.stderr, run.stderr
+
+
+def _save_float8(plan: str, path: str) -> dict:
+    """Build on the meta device, initialise, two steps, save; the full state right after saving."""
+    pm = meshkit.parallelize(SPEC.build(device="meta"), meshkit.Plan.from_string(plan))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=ADAM_EPS)
+    pm.init_weights(0)
+    for step in range(2):
+        ids, labels = BatchSpec(batch=4, seq=16).make(SPEC.vocab, step)
+        per = 4 // pm.dp_size
+        pm.forward_backward(ids[pm.dp_rank * per:][:per], labels[pm.dp_rank * per:][:per])
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(path, pm, opt, step=2)
+    return pm.full_state_dict()
+
+
+def _load(plan: str, path: str) -> dict:
+    pm = meshkit.parallelize(SPEC.build(device="meta"), meshkit.Plan.from_string(plan))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=ADAM_EPS)
+    checkpoint.load(path, pm, opt)
+    ids, labels = BatchSpec(batch=4, seq=16).make(SPEC.vocab, 2)
+    per = 4 // pm.dp_size
+    loss = pm.forward_backward(ids[pm.dp_rank * per:][:per], labels[pm.dp_rank * per:][:per]).item()
+    return {"state": pm.full_state_dict(), "loss": loss}
+
+
+def test_float8_checkpoints_load_under_float8_and_high_precision_plans(dist, tmp_path):
+    saved = dist(2).run(_save_float8, "dp_shard=2,float8=tensorwise", str(tmp_path))[0]
+    same = dist(2).run(_load, "dp_shard=2,float8=tensorwise", str(tmp_path))
+    plain = dist(2).run(_load, "tp=2", str(tmp_path))
+    for loaded in (same[0], plain[0]):
+        assert loaded["state"].keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(loaded["state"][name], value), name
+    assert abs(same[0]["loss"] - plain[0]["loss"]) > 10 * LOSS_TOL  # the float8 plan really multiplies in float8
