@@ -270,7 +270,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             store.step(optimizer)
 
 
-def fsdp_units(parts: list[nn.Module]) -> list[list[nn.Parameter]]:
+def unit_parameters(parts: list[nn.Module]) -> list[list[nn.Parameter]]:
     """Each FSDP unit's own parameters (a unit's, not its nested units'), in module order."""
     units = []
     for part in parts:
@@ -288,7 +288,7 @@ def apply_nvme_offload(parts: list[nn.Module], offload_dir: str, device: torch.d
     """Open this rank's state file under `offload_dir` for the FSDP units of `parts`, reserving room for an
     Adam-like state; later steps of any optimizer holding these parameters stream their state through it.
     A directory that cannot hold some rank's file is a ValueError on every rank (one small all-reduce)."""
-    units = fsdp_units(parts)
+    units = unit_parameters(parts)
     need = STATE_BYTES_PER_PARAM * sum(local_tensor(p).numel() for unit in units for p in unit)
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(offload_dir, f"meshkit-optimizer-state-rank{rank:05d}.bin")

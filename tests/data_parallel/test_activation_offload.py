@@ -40,6 +40,7 @@ OFFLOAD_PLANS = {
     "EP": ("dp_shard=4,ep=2,activation_checkpointing=none", MOE),
     "EP-selective": ("dp_shard=2,tp=2,ep=2,activation_checkpointing=selective", MOE),
     "HSDP": ("dp_replicate=2,dp_shard=2,zero=2,activation_checkpointing=full", DENSE),
+    "bf16": ("dp_shard=4,param_dtype=bfloat16,activation_checkpointing=selective", DENSE),
 }
 
 

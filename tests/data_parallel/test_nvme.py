@@ -32,6 +32,7 @@ from tests.state.test_checkpoint import (
 MOE = ModelSpec(experts=4)
 NVME_PLANS = {  # name -> (plan without the offload fields, world, model)
     "fsdp": ("dp_shard=2", 2, DENSE),
+    "bf16": ("dp_shard=2,param_dtype=bfloat16", 2, DENSE),
     "tp-zero2-window": ("tp=2,dp_shard=2,zero=2,grad_sync=last_microbatch", 4, DENSE),
     "pp": ("pp=2,dp_shard=2", 4, DENSE),
     "ep": ("dp_shard=4,ep=2", 4, MOE),
