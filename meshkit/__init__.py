@@ -7,6 +7,9 @@ dense model's MLPs can be swapped for. Training checkpoints are `meshkit.state.c
 search are commands: `python -m meshkit.estimate`, `python -m meshkit.estimate.search`.
 """
 
+# First: filters the log lines torchao's import prints, before any meshkit module imports transformers'
+# modeling code, which imports torchao (see meshkit._compat.float8).
+from meshkit._compat import float8 as _torchao_import_noise  # noqa: F401, I001
 from meshkit.compose import parallelize
 from meshkit.data_parallel.fused import fuse_optimizer_into_backward
 from meshkit.expert_parallel import MoE

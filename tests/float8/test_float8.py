@@ -16,10 +16,14 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from tests_support import examples
 from torch.distributed.tensor import DTensor
 
 import meshkit
@@ -100,10 +104,7 @@ def float8_vs_reference(plan: str, recipe: str, spec: ModelSpec = SPEC, steps: i
     return out
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
-def test_float8_matches_torchao_on_each_data_ranks_rows(dist, name):
-    plan, recipe = PLANS[name]
-    results = dist(4).run(float8_vs_reference, plan, recipe, timeout=600)
+def _assert_float8_matches(results: list[dict], plan: str, recipe: str) -> None:
     for rank, r in enumerate(results):
         where = f"{plan},float8={recipe}, rank {rank}"
         assert r["converted"] == 2 * 7 // (2 if "pp=2" in plan else 1), f"{where}: {r['converted']} float8 linears"
@@ -111,6 +112,34 @@ def test_float8_matches_torchao_on_each_data_ranks_rows(dist, name):
         assert r["loss"] <= LOSS_TOL, f"{where}: step-0 loss differs by {r['loss']:.3g}"
         assert r["grad"] <= GRAD_TOL, f"{where}: a step-0 gradient differs by {r['grad']:.3g}"
         assert r["param"] <= PARAM_TOL_FLOAT8, f"{where}: parameters differ by {r['param']:.3g} after two steps"
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_float8_matches_torchao_on_each_data_ranks_rows(dist, name):
+    plan, recipe = PLANS[name]
+    _assert_float8_matches(dist(4).run(float8_vs_reference, plan, recipe, timeout=600), plan, recipe)
+
+
+@st.composite
+def float8_plans(draw):
+    """float8 drawn with a 4-rank layout (FSDP, HSDP, TP with or without SP, PP), an AC mode, a ZeRO stage,
+    activation offload and NVMe offload; rowwise only without TP (refused there)."""
+    layout = draw(st.sampled_from(["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=2,dp_shard=2",
+                                   "tp=2,dp_shard=2,sequence_parallel=false", "pp=2,dp_shard=2,pp_microbatches=2",
+                                   "pp=2,tp=2,pp_microbatches=2"]))
+    recipe = "tensorwise" if "tp=" in layout else draw(st.sampled_from(["tensorwise", "rowwise"]))
+    options = [f"activation_checkpointing={draw(st.sampled_from(['none', 'selective', 'full']))}",
+               f"zero={draw(st.sampled_from([2, 3]))}", f"activation_offload={str(draw(st.booleans())).lower()}"]
+    if draw(st.booleans()):
+        options.append(f"offload=nvme,offload_dir={tempfile.gettempdir()}")
+    return ",".join([layout, *options]), recipe
+
+
+@examples(ci=2)
+@given(float8_plans())
+def test_random_float8_plans_match_torchao_on_each_data_ranks_rows(dist, case):
+    plan, recipe = case
+    _assert_float8_matches(dist(4).run(float8_vs_reference, plan, recipe, timeout=600), plan, recipe)
 
 
 def fsdp_gather_bytes(plan: str) -> dict:
