@@ -1,6 +1,6 @@
 """NVMe offload against host offload: host memory and step time (`python -m benchmarks.nvme_offload [--out ...]`).
 
-One process per measurement (so each starts from a clean heap) trains a ~110M-parameter Llama on one
+One process per measurement (so each starts from a clean heap) trains a ~32M-parameter Llama on one
 rank for `--steps` AdamW steps under `offload="optimizer"` (the master weights, gradients and AdamW's
 two moments in host memory) and under `offload="nvme"` (the moments in a file under a temporary
 directory, streamed one FSDP unit at a time). It reports the growth of the process's resident memory
@@ -32,9 +32,9 @@ import meshkit
 from benchmarks.report import emit, machine_line, table
 from meshkit.testing.reference import ADAM_EPS
 
-MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-             num_key_value_heads=8, vocab_size=8192, max_position_embeddings=256)
-BATCH, SEQ = 2, 128
+MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=8192, max_position_embeddings=256)
+BATCH, SEQ = 1, 64
 
 
 def _status(field: str) -> int:
