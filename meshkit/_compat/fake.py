@@ -54,6 +54,17 @@ def fake_mode_of(tensor: FakeTensor) -> FakeTensorMode:
     return tensor.fake_mode
 
 
+def forget_fake_memo(tensor: torch.Tensor) -> None:
+    """Drop the weak reference a FakeTensorMode keeps to each fake tensor an op returned (its
+    converter's memo), so that `torch.utils.swap_tensors`, which refuses weakly referenced tensors,
+    can give a meta parameter a fake tensor's body. A no-op on real tensors."""
+    if not isinstance(tensor, FakeTensor):
+        return
+    memo = tensor.fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+    for key in [k for k, v in memo.items() if v is tensor]:
+        del memo[key]
+
+
 def weak_tensor_dict() -> WeakTensorKeyDictionary:
     """A dict keyed by tensor identity that does not keep its keys alive (`torch.utils.weak`, whose
     lookup never calls a tensor's elementwise `==`)."""
