@@ -224,6 +224,9 @@ class ParallelModel:
         with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
             share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+            # The loss keeps what its backward needs (fp32 log-probabilities); the compute-dtype logits,
+            # vocabulary-wide, would otherwise stay alive through backward (found by the dry run).
+            del logits
             hf_aux = self._aux.hf_term(weight)
             if hf_aux is None:
                 share.backward()

@@ -68,9 +68,10 @@ def measure_step(pm, optimizer: torch.optim.Optimizer, batches: Batches, *, clip
         with counter:
             _step(pm, optimizer, batches, clip, tracker)
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        host = ("parameters", "gradients", "optimizer") if pm.plan.offload != "none" else ()
         peak = tracker.end_window(parameters=list(pm.parameters()),
                                   gradients=[p.grad for p in pm.parameters() if p.grad is not None],
-                                  optimizer_state=state)
+                                  optimizer_state=state, host=host)
         optimizer.zero_grad(set_to_none=True)
     return Measured(peak, _named(counter, pm.mesh, axes), axes)
 

@@ -23,6 +23,7 @@ from an allocation log, so the per-part bytes are those of the peak moment, not 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import weakref
 from collections.abc import Iterable
@@ -36,6 +37,7 @@ from meshkit._compat.checkpointing import in_backward
 from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit._compat.fake import is_fake
 
+LARGEST = 12  # allocations listed with the peak (the largest live ones)
 PARTS = ("parameters", "gradients", "optimizer", "activations", "fsdp_buffers", "temporaries")
 _FSDP_CODE = "/torch/distributed/fsdp/"
 # Allocations that are not the run's memory: DTensor derives an op's output shape by running it on
@@ -53,10 +55,12 @@ class Peak:
     bytes: int
     parts: dict[str, int]
     phase: str         # "forward", "backward" or "optimizer"
+    largest: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)  # (bytes, part, op) at the peak
 
     def as_dict(self) -> dict:
         """Plain data for the JSON report."""
-        return {"peak_bytes": self.bytes, "parts": dict(self.parts), "peak_phase": self.phase}
+        return {"peak_bytes": self.bytes, "parts": dict(self.parts), "peak_phase": self.phase,
+                "largest": [list(x) for x in self.largest]}
 
 
 class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
@@ -73,15 +77,17 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
         self._baseline: dict[int, tuple[int, str]] = {}  # allocation id -> (bytes, part) when measuring began
         self._parts: dict[int, str] = {}         # allocation id -> part, for the log's allocations
         self._measuring = False
-        self._peak = 0
-        self._peak_at = 0
-        self._peak_phase = ""
+        self._phases: dict[int, str] = {}
+        self._window_phase = ""
+        self._op: object = "resize_"              # the op whose outputs are being registered
+        self._ops: dict[int, object] = {}          # allocation id -> that op, for the log's allocations
 
     # ---------------------------------------------------------------------------- the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs first; its local tensors' ops come back here
         out = func(*args, **(kwargs or {}))
+        self._op = func
         for t in tree_leaves(out):
             if type(t) in _PLAIN or is_fake(t):  # a wrapper subclass's own storage holds no data
                 self._see(t.untyped_storage())
@@ -108,6 +114,7 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
         entry[3] = weakref.ref(storage, lambda _, key=key, entry=entry: self._freed(key, entry))
         if self._measuring:
             self._parts[entry[0]] = entry[2]
+            self._ops[entry[0]] = self._op
         self._change(entry, storage.nbytes() if nbytes is None else nbytes)
 
     def _freed(self, key: int, entry: list) -> None:
@@ -122,9 +129,9 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
         self._total += delta
         if self._measuring:
             self._log.append((entry[0], delta))
-            if self._total > self._peak:
-                self._peak, self._peak_at = self._total, len(self._log)
-                self._peak_phase = self.phase if self.phase != "step" else ("backward" if in_backward() else "forward")
+            if delta > 0:  # where a later peak could be: the phase of each growth (1 + log index -> phase)
+                self._phases[len(self._log)] = self.phase if self.phase != "step" else \
+                    ("backward" if in_backward() else "forward")
 
     def _part_now(self) -> str | None:
         """The part of an allocation made now, or None for one that is not memory of the run."""
@@ -155,14 +162,16 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
     def begin_window(self) -> None:
         """Start the measured window: what is alive now is its baseline, the peak starts here."""
         self._baseline = {e[0]: (e[1], e[2]) for e in self._live.values()}
-        self._log, self._parts = [], {}
+        self._log, self._parts, self._phases, self._ops = [], {}, {}, {}
         self._measuring = True
-        self._peak, self._peak_at, self._peak_phase = self._total, 0, self.phase
+        self._window_phase = self.phase
 
     def end_window(self, *, parameters: Iterable[torch.Tensor], gradients: Iterable[torch.Tensor],
-                   optimizer_state: Iterable[torch.Tensor]) -> Peak:
-        """Stop measuring; split the peak by part, correcting parts by what storages turned out to be
-        (call while the parameters, gradients and optimizer state named here are still alive)."""
+                   optimizer_state: Iterable[torch.Tensor], host: tuple[str, ...] = ()) -> Peak:
+        """Stop measuring; return the window's peak split by part, parts corrected by what storages
+        turned out to be (call while the parameters, gradients and optimizer state named here are
+        alive). Parts named in `host` live in host memory (`Plan.offload`): they are left out of the
+        peak, which is then the device's."""
         self._measuring = False
         known = {}
         for part, tensors in (("optimizer", optimizer_state), ("gradients", gradients), ("parameters", parameters)):
@@ -170,16 +179,30 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
                 entry = self._live.get(_local(t).untyped_storage()._cdata)
                 if entry is not None:
                     known[entry[0]] = part
+        parts_of = {i: p for i, (_, p) in self._baseline.items()} | self._parts
+        for i, part in parts_of.items():
+            if i in known:
+                parts_of[i] = known[i]
+            elif part == "optimizer":
+                parts_of[i] = "temporaries"  # allocated by the optimizer step, not kept as its state
+        counted = {i for i, part in parts_of.items() if part not in host}
         sizes = {i: b for i, (b, _) in self._baseline.items()}
-        for i, delta in self._log[:self._peak_at]:
+        total = sum(b for i, b in sizes.items() if i in counted)
+        peak, peak_at = total, 0
+        for n, (i, delta) in enumerate(self._log, 1):
+            if i in counted:
+                total += delta
+                if total > peak:
+                    peak, peak_at = total, n
+        for i, delta in self._log[:peak_at]:
             sizes[i] = sizes.get(i, 0) + delta
         parts = dict.fromkeys(PARTS, 0)
         for i, nbytes in sizes.items():
-            part = known.get(i) or self._parts.get(i) or self._baseline[i][1]
-            if part == "optimizer" and i not in known:
-                part = "temporaries"  # allocated by the optimizer step, not kept as its state
-            parts[part] += nbytes
-        return Peak(self._peak, parts, self._peak_phase)
+            if i in counted:
+                parts[parts_of[i]] += nbytes
+        largest = sorted(((b, parts_of[i], str(self._ops.get(i, "before the window"))) for i, b in sizes.items()
+                          if i in counted and b), reverse=True)[:LARGEST]
+        return Peak(peak, parts, self._phases[peak_at] if peak_at else self._window_phase, largest)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

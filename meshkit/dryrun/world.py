@@ -30,16 +30,22 @@ def run_ranks(config: Any, plan: Plan, world: int, workload: Workload, ranks: Se
 
     `done` is called in this process as each rank finishes (the CLI's progress line).
     """
+    return in_processes(run_rank, [(config, plan, world, workload, r) for r in ranks], jobs=jobs, done=done)
+
+
+def in_processes(fn: Callable[..., Any], calls: Sequence[tuple], *, jobs: int = 1,
+                 done: Callable[[Any], None] | None = None) -> list[Any]:
+    """`fn(*args)` for each `args` of `calls`, each in a fresh process (at most `jobs` at a time);
+    results in `calls`' order, `done(result)` called here as each finishes."""
     context = mp.get_context("forkserver" if sys.platform != "win32" else "spawn")
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(_PRELOAD)
-    results: dict[int, RankRun] = {}
-    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=context,
+    results: dict[int, Any] = {}
+    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(calls))), mp_context=context,
                              max_tasks_per_child=1) as pool:
-        futures = {pool.submit(run_rank, config, plan, world, workload, r): r for r in ranks}
+        futures = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
         for future in as_completed(futures):
-            run = future.result()
-            results[futures[future]] = run
+            results[futures[future]] = future.result()
             if done is not None:
-                done(run)
-    return [results[r] for r in ranks]
+                done(results[futures[future]])
+    return [results[i] for i in range(len(calls))]

@@ -62,7 +62,9 @@ def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
     if axis == "ep":  # ep neighbouring ranks of the flattened dp_shard x cp axis
         span = plan.ep * plan.tp
     else:
-        outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate"}.get(axis, axis)
+        peers = "pp" if plan.pp > 1 else ("cp" if plan.cp > 1 else "tp")  # pp_cp_tp: its outermost axis above 1
+        outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate",
+                 "pp_cp_tp": peers}.get(axis, axis)
         span = math.prod(getattr(plan, a) for a in AXES[AXES.index(outer):])
     if span <= device.gpus_per_node:
         return "nvlink", device.nvlink_bw
@@ -118,7 +120,7 @@ def _is_block(unit_name: str) -> bool:
 
 
 def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
-                  t_block_fwd: float, t_block_rec: float) -> list[Collective]:
+                  t_block_fwd: float, t_block_rec: float, *, pp_rank: int | None = None) -> list[Collective]:
     """Every collective the rank holding `state` issues per step, with the time overlap cannot hide.
 
     TP/SP and Ulysses collectives sit between matmuls (nothing to hide behind in meshkit), so all
@@ -128,7 +130,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     causal diagonals are. Recompute re-issues what it re-runs: the SP
     all-gathers under selective AC (their outputs are not saved), plus the attention-side
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
-    before the MLP's reduce-scatter).
+    before the MLP's reduce-scatter). Pipeline messages are the busiest pipeline rank's, or `pp_rank`'s.
     """
     heads, kv, d = roles.kernel_dims(config)  # what CP moves (MLA: padded to one head dim)
     h, act = config.hidden_size, dtype_bytes(plan.param_dtype)
@@ -172,9 +174,11 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
                 m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges), bsh, t, None)
         if plan.sequence_parallel:
-            # replicated norm weights see a sequence shard: their gradients are reduced once per call
-            add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
-                h * 4, t, None)
+            # replicated norm weights see a sequence shard: their gradients are reduced in the compute
+            # dtype, by FSDP2 as it accumulates each microbatch's unsharded gradient, or by meshkit once per
+            # call without FSDP (found by the dry run: under bf16 and pp they were counted fp32, per call)
+            add("tp", "all_reduce", "SP norm-weight gradients",
+                (m if fsdp_applied else workload.calls(plan)) * (2 * blocks + int(last_stage)), h * act, t, None)
         else:
             # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
@@ -277,13 +281,18 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("dp_cp_tp", "all_reduce", "MoE: router load counts for the balancing loss", m * moe_blocks,
                 (experts.num_experts + 1) * 4, plan.dp * plan.cp * plan.tp, None)
 
+    if plan.pp * plan.cp * plan.tp > 1:  # step/batch's input checks: peers sharing a batch compare it
+        add("pp_cp_tp", "all_reduce", "input checks: the batch's signature (6 int64)", workload.calls(plan), 48,
+            plan.pp * plan.cp * plan.tp, None)
+
     if plan.pp > 1:
         # Messages the busiest rank sends: each of its stages sends its output forward (but the last
         # stage) and its input gradient backward (but the first stage), once per microbatch.
         owner = stage_ranks(plan)  # a boundary between two stages of one rank (the V's turn) sends nothing
         stages = len(owner)
         sends = max(sum((s < stages - 1 and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
-                        for s in range(stages) if owner[s] == r) for r in range(plan.pp))
+                        for s in range(stages) if owner[s] == r)
+                    for r in (range(plan.pp) if pp_rank is None else [pp_rank]))
         boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
         add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m, boundary, 2, 0.0)
         if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them

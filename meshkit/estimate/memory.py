@@ -322,10 +322,12 @@ def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
     return (plan.cp // uly - 1) * 2 * kv_local * dtype_bytes(plan.param_dtype)
 
 
-def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1) -> RankMemory:
+def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1, *,
+                tp_rank: int = 0, fsdp_rank: int = 0) -> RankMemory:
     """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
-    at once (the pipeline simulator's peak for that rank; 1 without pipelining)."""
-    state = model_state(config, plan, pp_rank=pp_rank)
+    at once (the pipeline simulator's peak for that rank; 1 without pipelining); its shards are those
+    of `tp_rank` and `fsdp_rank` (uneven splits differ by a row per tensor)."""
+    state = model_state(config, plan, pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
     last = pp_rank == stage_ranks(plan)[-1]

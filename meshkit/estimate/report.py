@@ -11,7 +11,8 @@ from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
 from meshkit.estimate.memory import model_state
-from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB
+from meshkit.activation_checkpoint import AC_MODES
+from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, Workload
 from meshkit.models import roles
 from meshkit.plan import Plan
 
@@ -143,6 +144,37 @@ def build_parser(description: str = "", prog: str | None = None) -> argparse.Arg
     parser.add_argument("--host-memory-gib", type=float, help="host memory per GPU (offload)")
     parser.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak for compute")
     return parser
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which plan and step one rank runs (`python -m meshkit.estimate` and
+    `python -m meshkit.dryrun`): the plan string or its per-field flags, microbatch size and count."""
+    parser.add_argument("--plan", default="", help='e.g. "tp=8,dp_shard=-1" (meshkit.Plan.from_string)')
+    parser.add_argument("--mbs", type=int, default=1, help="sequences per microbatch per data-parallel rank")
+    parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (overrides the plan)")
+    parser.add_argument("--microbatches", type=int,
+                        help="per step per data rank (default: the plan's pp_microbatches, or 1 without pipeline)")
+    parser.add_argument("--global-batch-tokens", help="e.g. 1M; sets microbatches = tokens / (dp*mbs*seq)")
+    Plan.add_cli_args(parser)
+
+
+def plan_and_workload(args: argparse.Namespace) -> tuple[Plan, Workload]:
+    """The resolved plan and the step's workload the flags of `add_plan_args` describe. Unless the plan
+    sets `param_dtype`, the recipes' mixed precision (bf16 compute); under pp without
+    `pp_microbatches`, one pipeline call per step."""
+    plan = Plan.from_cli_args(args, Plan.from_string(args.plan))
+    given = args.plan.replace(" ", "")
+    if "param_dtype=" not in given and getattr(args, "plan_param_dtype", None) is None:
+        plan = dataclasses.replace(plan, param_dtype="bfloat16")
+    if args.ac:
+        plan = dataclasses.replace(plan, activation_checkpointing=args.ac)
+    plan = plan.resolve(args.world)
+    m = args.microbatches or plan.microbatches
+    if args.global_batch_tokens:
+        m = max(1, round(parse_tokens(args.global_batch_tokens) / (plan.dp * args.mbs * args.seq)))
+    if plan.pp > 1 and plan.pp_microbatches is None:
+        plan = dataclasses.replace(plan, pp_microbatches=m)
+    return plan, Workload(args.seq, args.mbs, m, args.mfu)
 
 
 def device_from_args(args: argparse.Namespace) -> Device:
