@@ -22,7 +22,7 @@ from meshkit.dryrun.measure import axis_name
 from meshkit.dryrun.memory import PARTS
 from meshkit.estimate.comm import communication
 from meshkit.estimate.core import estimate
-from meshkit.estimate.memory import rank_memory
+from meshkit.estimate.peak import rank_memory
 from meshkit.estimate.spec import DEVICES, Workload
 from meshkit.plan import Plan
 
@@ -50,8 +50,10 @@ def estimate_rank(config: Any, plan: Plan, world: int, workload: Workload, coord
     in_flight = whole.sim.peak_activations[pp_rank] if whole.sim is not None else 1
     mem = rank_memory(config, plan, workload, pp_rank, in_flight, tp_rank=coords["tp"], fsdp_rank=coords["fsdp"])
     s = mem.state
-    parts = {"parameters": s.param_bytes, "gradients": s.grad_bytes, "optimizer": s.optimizer_bytes,
-             "activations": mem.activations, "fsdp_buffers": mem.fsdp_buffers, "temporaries": mem.transient}
+    at_step = mem.moment == "optimizer"
+    parts = {"parameters": s.param_bytes, "gradients": s.grad_bytes if at_step else mem.grads_held,
+             "optimizer": s.optimizer_bytes, "activations": 0 if at_step else mem.activations - mem.head_freed,
+             "fsdp_buffers": 0 if at_step else mem.fsdp_buffers, "temporaries": mem.transient}
     if mem.offloaded:  # host memory holds the sharded state
         for part in ("parameters", "gradients", "optimizer"):
             parts[part] = 0

@@ -197,6 +197,23 @@ class HostValues(dispatch_mode_base()):  # type: ignore[misc]
                 self._values.pop(out, None)
 
 
+class BalancedRouting(dispatch_mode_base()):  # type: ignore[misc]
+    """On real tensors, every `topk`'s indices overwritten with the dry run's balanced choices: a real
+    run routed as the dry run assumes, so that the two can be compared rank by rank (the routing
+    weights keep the scores' top values: the numbers are meaningless, the shapes and bytes exact)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is aten.topk.default:
+            x, dim = args[0], args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            with outside_dispatch_modes():
+                out[1].copy_(_balanced(out[1], x.shape[dim % x.dim()], dim % x.dim()))
+        return out
+
+
 def _balanced(indices: torch.Tensor, experts: int, dim: int) -> torch.Tensor:
     """Round-robin choices: the j-th of token t's K choices (along `dim`) is (t*K + j) mod experts."""
     shape = list(indices.shape)

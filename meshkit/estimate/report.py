@@ -7,11 +7,11 @@ import argparse
 import dataclasses
 
 from meshkit import metrics
+from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
 from meshkit.estimate.memory import model_state
-from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, Workload
 from meshkit.models import roles
 from meshkit.plan import Plan
@@ -53,7 +53,8 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     s = mem.state
     L.append(f"\nmemory per rank (pp rank {mem.pp_rank}, the peak one){'':14}GiB")
     L.append(f"  parameters (fp32 shards = master weights){'':5}{_gib(s.param_bytes)}   {s.params:,} elements")
-    L.append(f"  gradients (fp32 shards){'':23}{_gib(s.grad_bytes)}")
+    L.append(f"  gradients (fp32 shards){'':23}{_gib(s.grad_bytes)}   "
+             f"{_bytes(mem.grads_held if mem.moment != 'optimizer' else s.grad_bytes)} of them alive at the peak")
     L.append(f"  optimizer (AdamW exp_avg + exp_avg_sq){'':8}{_gib(s.optimizer_bytes)}")
     L.append(f"  activations held{'':30}{_gib(mem.activations)}   {mem.in_flight} microbatch(es) x "
              f"{mem.held_blocks // max(mem.in_flight, 1)} blocks in flight")
@@ -65,10 +66,13 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"    rotary cos/sin{'':14}{_bytes(mem.shared):>12}   x{mem.in_flight}")
     for part, n in mem.head.items():
         L.append(f"    {part:<26}{_bytes(n):>12}")
+    moment = {"loss": "as the loss's backward starts", "block": "in a block's backward",
+              "optimizer": "in the optimizer's step"}[mem.moment]
     L.append(f"  transient (loss backward / block recompute){'':3}{_gib(mem.transient)}")
     L.append(f"  FSDP buffers (gathered units, grad buffers){'':3}{_gib(mem.fsdp_buffers)}")
     fits = "fits" if mem.peak <= e.device.memory_bytes else "DOES NOT FIT"
-    L.append(f"  peak{'':42}{_gib(mem.peak)}   of {e.device.memory_bytes / GiB:.1f} GiB: {fits}")
+    L.append(f"  peak{'':42}{_gib(mem.peak)}   of {e.device.memory_bytes / GiB:.1f} GiB: {fits} ({moment}"
+             + (f", head buffers freed: {_bytes(mem.head_freed)}" if mem.head_freed else "") + ")")
     seq, tok = w.seq // p.cp, w.mbs * (w.seq // p.cp)
     measured = sum(mem.per_block.values())
     kort = acts.korthikanti_bytes(c, batch=w.mbs, seq=seq, tp=p.tp, sequence_parallel=p.sequence_parallel,

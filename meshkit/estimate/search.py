@@ -184,7 +184,7 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                                 break
                             same = on_device.get((zero, grad_sync))
                             if offload != "none" and same is not None and \
-                                    same.peak - same.state.persistent > limit:
+                                    same.peak - same.state_at_peak > limit:
                                 continue  # offload moves exactly the persistent state off the device
                             plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind,
                                                        zero=zero, grad_sync=grad_sync, offload=offload)
@@ -249,7 +249,7 @@ def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str, str]]
 
 def _dominant(e: Estimate) -> str:
     mem = e.memory
-    terms = {"model state": mem.state.persistent - mem.offloaded, "activations": mem.activations,
+    terms = {"model state": mem.state_at_peak, "activations": mem.activations,
              "transients": mem.transient + mem.fsdp_buffers}
     top = max(terms, key=terms.get)
     w = e.workload
