@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, type=_TYPES[str(f.type)], help=text)
     meshkit.Plan.add_cli_args(parser)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run one step on a fake world of --world ranks (meshkit.dryrun) instead of training")
+    parser.add_argument("--world", type=int, help="with --dry-run: the world size to simulate")
+    parser.add_argument("--jobs", type=int, default=1, help="with --dry-run: ranks simulated at once")
     return parser
 
 

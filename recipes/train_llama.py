@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import data_setup  # the recipe's own modules beside this script (the script's folder is on sys.path)
+import dry_run
 import preflight
 import torch
 import torch.distributed as dist
@@ -146,12 +147,8 @@ def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg:
     if spec is not None and len(spec.layers) != model_config.num_hidden_layers:
         return None
     plan = plan.resolve(world)
-    pipelined = plan.pp > 1
-    mbs = cfg.local_batch // plan.microbatches if pipelined else cfg.local_batch
-    microbatches = cfg.grad_accum * (plan.microbatches if pipelined else 1)
     device = "h200" if metrics.detect_device() == "h200" else "h100"  # memory does not depend on the device
-    workload = estimate.Workload(cfg.seq_len, max(mbs, 1), microbatches)
-    return estimate.estimate(model_config, plan, world, workload, device).peak_bytes
+    return estimate.estimate(model_config, plan, world, dry_run.workload(plan, cfg), device).peak_bytes
 
 
 def _predict(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
@@ -434,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight.check_config_file(args.config)
         run = apply_cli(load_config(args.config), args)
-        train(run)
+        dry_run.run(run, args.world, args.jobs) if args.dry_run else train(run)
     except ValueError as err:  # meshkit's PlanError included: a user error, not a crash
         # One write per rank, so eight ranks' messages do not interleave line by line.
         sys.stderr.write(f"[rank {_rank()}] error: {err}\n")

@@ -15,8 +15,7 @@ _LABELS = {"parameters": "parameters (sharded, fp32 master)", "gradients": "grad
            "fsdp_buffers": "FSDP buffers (gathered units, grads)", "temporaries": "temporaries (backward, loss)"}
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:10.3f}"
+_UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def render(result: DryRun) -> str:
@@ -25,16 +24,22 @@ def render(result: DryRun) -> str:
     lines = [f"dry run: {p.describe()} | world {result.world} | seq {w.seq}, mbs {w.mbs}, {w.microbatches} "
              f"microbatch(es) per data rank | AC {p.activation_checkpointing}, {p.param_dtype} compute | "
              f"{result.seconds:.0f} s"]
+    largest = max((r.run.measured.peak.bytes for r in result.ranks), default=0)
+    unit, size = next(((u, n) for u, n in _UNITS if largest >= n), _UNITS[-1])
+
+    def amount(n: float) -> str:
+        return f"{n / size:10.3f}"
+
     for r in result.ranks:
         run, est, peak = r.run, r.estimate, r.run.measured.peak
         where = ", ".join(f"{k} {v}" for k, v in run.coords.items() if k == "pp" or v)
         ratio = est.peak_bytes / peak.bytes if peak.bytes else float("nan")
         lines.append(f"\nrank {run.rank} ({where}), {run.seconds:.0f} s; peak in {peak.phase}"
                      f"{'' if est.in_flight == 1 else f', {est.in_flight} microbatches in flight (simulator)'}")
-        lines.append(f"  {'GiB':<40}{'measured':>10}{'estimate':>10}")
+        lines.append(f"  {unit:<40}{'measured':>10}{'estimate':>10}")
         for part in PARTS:
-            lines.append(f"  {_LABELS[part]:<40}{_gib(peak.parts[part])}{_gib(est.parts[part])}")
-        lines.append(f"  {'peak':<40}{_gib(peak.bytes)}{_gib(est.peak_bytes)}   estimate/measured {ratio:.3f}")
+            lines.append(f"  {_LABELS[part]:<40}{amount(peak.parts[part])}{amount(est.parts[part])}")
+        lines.append(f"  {'peak':<40}{amount(peak.bytes)}{amount(est.peak_bytes)}   estimate/measured {ratio:.3f}")
         lines.append(f"  {'collectives per step (bytes)':<40}{'measured':>16}{'estimate':>16}")
         measured, estimated = run.measured.collectives(), est.collectives
         for axis_name in sorted(set(measured) | set(estimated)):

@@ -106,7 +106,7 @@ def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], in
         tp_dim = 0 if name in head_params else _TP_DIMS.get((role, leaf))
         in_moe = block_roles.get("mlp") == "moe" and owner.startswith("mlp")
         specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe,
-                               kind, role))
+                               kind, role, owner))
     specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head"))
     if not parts.tied:
         specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head"))

@@ -15,9 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit.estimate import activations as acts
+from meshkit.estimate.inflight import (
+    Held,
+    StageBytes,
+    _compute_actions,
+    deferred_bytes,
+    head_deferred_bytes,
+    replay,
+)
 from meshkit.estimate.memory import (
     block_activations,
     model_state,
+    param_specs,
     recompute_working_set,
     stage_kinds,
     stage_ranks,
@@ -25,6 +34,7 @@ from meshkit.estimate.memory import (
 from meshkit.estimate.spec import ModelState, Workload, dtype_bytes
 from meshkit.estimate.zero import ZeroMemory, gathered_elements, zero_memory
 from meshkit.models import roles
+from meshkit.pipeline.split import stages_of_rank
 from meshkit.plan import Plan
 
 
@@ -46,6 +56,7 @@ class RankMemory:
     #                            backward, the head's buffers gone) or "optimizer" (the step)
     grads_held: int = 0        # sharded gradients alive at the peak (earlier calls' of the step)
     head_freed: int = 0        # head activations already freed at the peak ("block" on the last stage)
+    pipeline: Held | None = None  # pp > 1: the schedule's largest moment (`inflight.replay`)
 
     @property
     def held_blocks(self) -> int:
@@ -62,6 +73,8 @@ class RankMemory:
     @property
     def activations(self) -> int:
         """Activation bytes held at the peak (all in-flight microbatches)."""
+        if self.pipeline is not None:
+            return self.pipeline.activations
         blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
         return blocks + self.in_flight * self.shared + sum(self.head.values())
 
@@ -120,14 +133,44 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     kept, moving = _fsdp_gathered(config, plan, state)
     moments = [dataclasses.replace(memory, moment="block", transient=recompute, fsdp_buffers=moving + carried,
                                    grads_held=held_grads, head_freed=sum(head.values()))]
-    if last:
-        loss = acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw)
+    loss = acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw) if last else 0
+    if plan.pp > 1:  # the schedule's largest moment, by replaying the rank's actions with their bytes
+        pipe = replay(plan, pp_rank, _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head,
+                                                  loss, recompute))
+        moments = [dataclasses.replace(memory, moment="loss" if pipe.loss else "block", pipeline=pipe,
+                                       in_flight=pipe.pairs, transient=pipe.transient + pipe.deferred_grads,
+                                       fsdp_buffers=(kept if pipe.loss else moving) + carried, grads_held=held_grads)]
+    elif last:
         moments.append(dataclasses.replace(memory, moment="loss", transient=loss, fsdp_buffers=kept + carried,
                                            grads_held=held_grads))
     if not options.host:  # AdamW's step (foreach): a square root of the second moments beside the state
         moments.append(dataclasses.replace(memory, moment="optimizer", transient=state.param_bytes))
     best = max(moments, key=lambda m: m.peak)
     return dataclasses.replace(best, offloaded=options.host)
+
+
+def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_kind: dict[str, dict[str, int]],
+                 shared: int, head: dict[str, int], loss: int, recompute: int) -> dict[int, StageBytes]:
+    """Each of the rank's stages, one microbatch: its activations, what a B/W schedule defers to W
+    (`inflight.deferred_bytes`), and its backward's transient."""
+    placement = stage_ranks(plan)
+    last_stage = len(placement) - 1
+    split = any(kind == "W" for kind, _ in _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches,
+                                                             plan.pp_stages_per_rank, pp_rank))
+    specs = param_specs(config)[0] if split else ()
+    deferred = {k: deferred_bytes(config, plan, workload, specs, k) for k in per_kind} if split else {}
+    out = {}
+    for stage, kinds in zip(stages_of_rank(pp_rank, placement), stage_kinds(config, plan)[pp_rank]):
+        last = stage == last_stage
+        activations = sum(n * sum(per_kind[k].values()) for k, n in kinds.items()) + shared + \
+            (sum(head.values()) if last else 0)
+        inputs = sum(n * deferred[k][0] for k, n in kinds.items()) if split else 0
+        grads = sum(n * deferred[k][1] for k, n in kinds.items()) if split else 0
+        if split and last:
+            head_in, head_grad = head_deferred_bytes(config, plan, workload)
+            inputs, grads = inputs + head_in, grads + head_grad
+        out[stage] = StageBytes(activations, inputs, grads, loss if last else recompute, last)
+    return out
 
 
 def _gradients_held(plan: Plan, workload: Workload, state: ModelState, options: ZeroMemory) -> tuple[int, int]:
