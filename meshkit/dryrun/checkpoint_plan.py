@@ -53,10 +53,14 @@ def checkpoint_metadata(config: Any, plan: Plan, world: int, *, jobs: int = 1) -
     start = time.perf_counter()
     plans = [_rank_plan(stages[coords["pp"]], coords, plan, r)
              for r, coords in ((r, mesh_coords(plan, r)) for r in range(world))]
+    # Rank 0 receives every plan, and later every write result, pickled (DCP gathers objects): each
+    # arrives as objects of its own, which is what the metadata then holds and pickles.
+    plans = [_as_gathered(p) for p in plans]
     planner = checkpoint.save_planner()
     planner.set_up_planner({}, is_coordinator=True)
     global_plans, metadata = planner.create_global_plan(plans)
-    metadata.storage_data = _storage_data(global_plans)
+    metadata.storage_data = {k: v for rank, p in enumerate(global_plans)
+                             for k, v in _as_gathered(_storage_data(rank, p)).items()}
     metadata_bytes = len(pickle.dumps(metadata))
     seconds = time.perf_counter() - start
     chunks = sum(len(getattr(m, "chunks", ())) for m in metadata.state_dict_metadata.values())
@@ -141,15 +145,18 @@ def _index(dim: str, coords: dict[str, int], plan: Plan) -> int:
     raise ValueError(f"a checkpointed DTensor lies on mesh dim {dim!r}, which the dry run cannot place")
 
 
-def _storage_data(plans: list[SavePlan]) -> dict:
-    """What `FileSystemWriter` records per item: each rank writes its items into one file of its own."""
-    out = {}
-    for rank, plan in enumerate(plans):
-        offset = 0
-        for item in plan.items:
-            length = 0
-            if item.tensor_data is not None:
-                length = item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
-            out[item.index] = file_storage_info(f"__{rank}_0.distcp", offset, length)
-            offset += length
+def _as_gathered(obj: Any) -> Any:
+    """`obj` as another rank's object arrives on rank 0: pickled and loaded (shared objects become its own)."""
+    return pickle.loads(pickle.dumps(obj))
+
+
+def _storage_data(rank: int, plan: SavePlan) -> dict:
+    """What `FileSystemWriter` records for one rank's items: all of them in one file of its own."""
+    out, offset = {}, 0
+    for item in plan.items:
+        length = 0
+        if item.tensor_data is not None:
+            length = item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
+        out[item.index] = file_storage_info(f"__{rank}_0.distcp", offset, length)
+        offset += length
     return out

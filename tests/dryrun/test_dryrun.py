@@ -162,3 +162,20 @@ def test_cli_refuses_a_plan_that_does_not_fit_the_world(tmp_path, capsys) -> Non
     model.write_text(json.dumps({"model_type": "llama", **DENSE}))
     assert main(["--model", str(model), "--plan", "tp=2", "--world", "4", "--seq", str(SEQ)]) == 2
     assert "world_size=4" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ checkpoint plan
+
+
+def test_checkpoint_plan_metadata_equals_a_real_save(dist, tmp_path) -> None:
+    """The planned checkpoint of a fake world has the tensors and chunk entries of a real 4-rank save of
+    the same plan, and its metadata's size within 5% (the real file records the written files' own
+    offsets and lengths, and pickles objects as DCP's gathers created them)."""
+    from meshkit.dryrun.checkpoint_plan import checkpoint_metadata
+    from tests.dryrun.gloo_rank import saved_checkpoint
+
+    config, plan = _config("dense"), Plan.from_string("pp=2,tp=2,param_dtype=bfloat16")
+    real = dist(4).run(saved_checkpoint, config, plan, str(tmp_path / "ckpt"))[0]
+    planned = checkpoint_metadata(config, plan, 4, jobs=2)
+    assert (planned["tensors"], planned["chunks"]) == (real["tensors"], real["chunks"])
+    assert abs(planned["metadata_bytes"] - real["metadata_bytes"]) / real["metadata_bytes"] < 0.05, (planned, real)
