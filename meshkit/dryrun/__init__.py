@@ -50,7 +50,7 @@ class RankResult:
                 "estimate_peak_bytes": self.estimate.peak_bytes, "estimate_parts": self.estimate.parts,
                 "in_flight": self.estimate.in_flight, "collectives": m.collectives(),
                 "estimate_collectives": self.estimate.collectives,
-                "collective_differences": self.collective_differences,
+                "collective_differences": self.collective_differences, "axes": m.axes,
                 "unknown_reads": self.run.unknown_reads, "seconds": round(self.run.seconds, 2)}
 
 

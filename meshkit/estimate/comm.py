@@ -95,18 +95,26 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     """
     units, fsdp, reshard = state.unit_elements, plan.dp_shard * plan.cp, plan.fsdp_reshard
     tied = getattr(config, "tie_word_embeddings", False)
-    if units["embed"] and tied and plan.pp == 1:
+    root = units["embed"] and tied and plan.pp == 1  # the tied weight lives in the stage's root unit
+    if root:
         units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
     ends = stage_ranks(plan)
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
-    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
-    mixed = len(set(moe.block_kinds(config))) > 1
-    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard)
-              for b in state.block_units]
+    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block"). The
+    # stage's last unit is never resharded after forward: [norm, lm_head], or with the tied weight in
+    # the root (which is resharded, found by the dry run) the last block.
+    mixed, last_kind = len(set(moe.block_kinds(config))) > 1, moe.block_kinds(config)[-1]
+    blocks = []
+    for b in state.block_units:
+        kept = int(bool(root) and reshard and b.kind == last_kind and units["head"] > 0)
+        name = _BLOCK_NAMES[b.kind] if mixed else "block"
+        blocks += [FsdpUnit(name, n, b.block, fsdp, "dp_shard_cp", again)
+                   for n, again in ((b.count - kept, reshard), (kept, False)) if n]
     out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
     if copies == 2:
         out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard))
-    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False))
+    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp",
+                        bool(root) and reshard))
     out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard)
             for b in state.block_units if b.kind == "moe"]
     return [u for u in out if u.count]
