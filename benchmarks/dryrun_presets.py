@@ -63,15 +63,14 @@ def reestimate(row: dict) -> dict:
     workload = Workload(seq, mbs, plan.microbatches)
     for r in row["ranks"]:
         e = estimate_rank(config, plan, world, workload, r["coords"], r["axes"])
-        measured = {a: {k: v for k, v in kinds.items()} for a, kinds in r["collectives"].items()}
+        measured = r.get("compared_collectives") or _without_scalars(r["collectives"], r)
         r.update(estimate_peak_bytes=e.peak_bytes, estimate_parts=e.parts, estimate_collectives=e.collectives,
-                 collective_differences=collective_differences(_without_scalars(measured, r), e.collectives))
+                 collective_differences=collective_differences(measured, e.collectives))
     return row
 
 
 def _without_scalars(measured: dict, r: dict) -> dict:
-    """The stored per-axis bytes less the scalar calls the comparison leaves out (kept per rank as
-    `collective_differences` was first computed: only axes and kinds the estimate names are compared)."""
+    """For a run stored without `compared_collectives`: the axes and kinds the estimate names."""
     return {a: {k: v for k, v in kinds.items() if k in r["estimate_collectives"].get(a, {})}
             for a, kinds in measured.items() if a in r["estimate_collectives"]}
 
@@ -79,14 +78,15 @@ def _without_scalars(measured: dict, r: dict) -> dict:
 def table(rows: list[dict]) -> str:
     """The markdown table docs/estimate.md shows."""
     lines = ["| preset | plan | world | seq | rank | measured peak GiB | estimate GiB | estimate / measured | "
-             "collectives | CPU s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "collectives | s (CPU s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for r in row["ranks"]:
             where = f"{r['rank']} (pp {r['coords']['pp']})"
             equal = "equal" if not r["collective_differences"] else "differ"
             lines.append(f"| {row['preset']} | `{row['plan']}`, AC {row['ac']} | {row['world']} | {row['seq']} | "
                          f"{where} | {r['peak_bytes'] / GiB:.2f} | {r['estimate_peak_bytes'] / GiB:.2f} | "
-                         f"{r['estimate_peak_bytes'] / r['peak_bytes']:.3f} | {equal} | {r['seconds']:.0f} |")
+                         f"{r['estimate_peak_bytes'] / r['peak_bytes']:.3f} | {equal} | {r['seconds']:.0f} "
+                         f"({r.get('cpu_seconds', 0):.0f}) |")
     for row in rows:
         ck = row.get("checkpoint")
         if ck:

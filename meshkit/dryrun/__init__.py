@@ -51,7 +51,9 @@ class RankResult:
                 "in_flight": self.estimate.in_flight, "collectives": m.collectives(),
                 "estimate_collectives": self.estimate.collectives,
                 "collective_differences": self.collective_differences, "axes": m.axes,
-                "unknown_reads": self.run.unknown_reads, "seconds": round(self.run.seconds, 2)}
+                "compared_collectives": m.collectives(SCALAR_BYTES + 1),
+                "unknown_reads": self.run.unknown_reads, "seconds": round(self.run.seconds, 2),
+                "cpu_seconds": round(self.run.cpu_seconds, 2)}
 
 
 @dataclass
@@ -88,7 +90,8 @@ def dry_run(config: Any, plan: Plan, world: int, workload: Workload, ranks: Sequ
     def report(run: RankRun) -> None:
         done.append(run.rank)
         if progress is not None:
-            progress(f"dry run: rank {run.rank} done in {run.seconds:.0f} s ({len(done)}/{len(ranks)})")
+            progress(f"dry run: rank {run.rank} done in {run.seconds:.0f} s ({run.cpu_seconds:.0f} s of CPU) "
+                     f"({len(done)}/{len(ranks)})")
 
     if progress is not None:
         progress(f"dry run: {plan.describe()} on a fake world of {world}, ranks {ranks}, {jobs} at a time")

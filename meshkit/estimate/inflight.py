@@ -33,6 +33,7 @@ class StageBytes:
     deferred_grads: int = 0
     transient: int = 0   # on top while its backward runs (loss backward or a block's recompute)
     last: bool = False   # the stage holding the loss
+    weight_transient: int = 0  # on top while its W runs: the largest weight gradient it computes
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
     for kind, s in actions:
         b = stages[s]
         if kind in ("B", "BW"):
-            moment = Held(act, grads, b.transient, b.last, pairs)
-            best = max(best, moment, key=lambda h: h.total)
+            best = max(best, Held(act, grads, b.transient, b.last, pairs), key=lambda h: h.total)
+        elif kind == "W":
+            best = max(best, Held(act, grads, b.weight_transient, False, pairs), key=lambda h: h.total)
         if kind == "F":
             act, pairs = act + b.activations, pairs + 1
         elif kind == "B":
@@ -79,6 +81,13 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
             act, pairs = act - b.activations, pairs - 1
         best = max(best, Held(act, grads, 0, False, pairs), key=lambda h: h.total)
     return best
+
+
+def largest_weight(plan: Plan, specs: Iterable[ParamSpec], kind: str) -> int:
+    """Bytes of the largest weight gradient a W computes for one block of `kind` (compute dtype, TP shard)."""
+    sizes = [spec.shape[0] * spec.shape[1] // (plan.tp if spec.tp_dim is not None else 1) for spec in specs
+             if spec.unit == "block" and spec.kind == kind and len(spec.shape) == 2]
+    return max(sizes, default=0) * dtype_bytes(plan.param_dtype)
 
 
 def deferred_bytes(config: Any, plan: Plan, workload: Workload, specs: Iterable[ParamSpec], kind: str) -> tuple[int, int]:
@@ -111,9 +120,10 @@ def deferred_bytes(config: Any, plan: Plan, workload: Workload, specs: Iterable[
     return inputs * act, grads * act
 
 
-def head_deferred_bytes(config: Any, plan: Plan, workload: Workload) -> tuple[int, int]:
-    """(input, output gradient) the LM head keeps from its B to its W: the gathered final hidden state and
-    the gradient of this rank's share of the logits, in the compute dtype."""
+def head_deferred_bytes(config: Any, plan: Plan, workload: Workload) -> tuple[int, int, int]:
+    """(input, output gradient, weight gradient) of the LM head under a B/W split: the gathered final
+    hidden state and the gradient of this rank's share of the logits, kept from B to W, and the weight
+    gradient W computes, all in the compute dtype."""
     tokens = workload.mbs * (workload.seq // plan.cp)
-    act = dtype_bytes(plan.param_dtype)
-    return tokens * config.hidden_size * act, tokens * (config.vocab_size // plan.tp) * act
+    act, rows = dtype_bytes(plan.param_dtype), config.vocab_size // plan.tp
+    return tokens * config.hidden_size * act, tokens * rows * act, rows * config.hidden_size * act

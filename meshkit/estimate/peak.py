@@ -21,6 +21,7 @@ from meshkit.estimate.inflight import (
     _compute_actions,
     deferred_bytes,
     head_deferred_bytes,
+    largest_weight,
     replay,
 )
 from meshkit.estimate.memory import (
@@ -159,17 +160,25 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
                                                              plan.pp_stages_per_rank, pp_rank))
     specs = param_specs(config)[0] if split else ()
     deferred = {k: deferred_bytes(config, plan, workload, specs, k) for k in per_kind} if split else {}
+    weights = {k: largest_weight(plan, specs, k) for k in per_kind} if split else {}
     out = {}
     for stage, kinds in zip(stages_of_rank(pp_rank, placement), stage_kinds(config, plan)[pp_rank]):
         last = stage == last_stage
         activations = sum(n * sum(per_kind[k].values()) for k, n in kinds.items()) + shared + \
             (sum(head.values()) if last else 0)
-        inputs = sum(n * deferred[k][0] for k, n in kinds.items()) if split else 0
-        grads = sum(n * deferred[k][1] for k, n in kinds.items()) if split else 0
-        if split and last:
-            head_in, head_grad = head_deferred_bytes(config, plan, workload)
-            inputs, grads = inputs + head_in, grads + head_grad
-        out[stage] = StageBytes(activations, inputs, grads, loss if last else recompute, last)
+        transient = loss if last else recompute
+        if not split:
+            out[stage] = StageBytes(activations, transient=transient, last=last)
+            continue
+        inputs = sum(n * deferred[k][0] for k, n in kinds.items())
+        grads = sum(n * deferred[k][1] for k, n in kinds.items())
+        weight = max((weights[k] for k in kinds), default=0)
+        # B holds a block's output gradients for W as it goes: the first block's are on top at once
+        transient += max((deferred[k][1] for k in kinds), default=0)
+        if last:
+            head_in, head_grad, head_weight = head_deferred_bytes(config, plan, workload)
+            inputs, grads, weight = inputs + head_in, grads + head_grad, max(weight, head_weight)
+        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight)
     return out
 
 
