@@ -37,13 +37,15 @@ def _workload(plan: Plan) -> Workload:
     return Workload(seq=SEQ, mbs=1 if plan.pp > 1 else 2, microbatches=plan.microbatches)
 
 
-def _compare(dist, kind: str, plan_text: str, world: int) -> None:
+def _compare(dist, kind: str, plan_text: str, world: int, ranks: tuple[int, ...] | None = None) -> None:
+    """Every rank (or `ranks`) of the dry run equals the same rank of a real gloo run."""
     config, plan = _config(kind), Plan.from_string(plan_text).resolve(world)
     workload = _workload(plan)
     real = dist(world).run(real_rank, config, plan, workload)
-    fake = run_ranks(config, plan, world, workload, range(world), jobs=2)
-    for rank, (r, f) in enumerate(zip(real, fake)):
-        peak = f.measured.peak
+    ranks = tuple(range(world)) if ranks is None else ranks
+    fake = run_ranks(config, plan, world, workload, ranks, jobs=2)
+    for rank, f in zip(ranks, fake):
+        r, peak = real[rank], f.measured.peak
         assert (peak.bytes, peak.parts) == (r["peak"].bytes, r["peak"].parts), f"{plan_text}, rank {rank}"
         assert f.measured.collectives() == r["collectives"], f"{plan_text}, rank {rank}"
 
@@ -73,13 +75,14 @@ SLOW_PLANS = {
 
 @pytest.mark.parametrize("key", sorted(CI_PLANS))
 def test_dry_run_equals_gloo_run(dist, key: str) -> None:
-    _compare(dist, *CI_PLANS[key], world=4)
+    """Ranks 0 and 3: the largest and the smallest of the uneven TP and FSDP shards (every rank: slow)."""
+    _compare(dist, *CI_PLANS[key], world=4, ranks=(0, 3))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", sorted(SLOW_PLANS))
+@pytest.mark.parametrize("key", sorted(SLOW_PLANS) + sorted(CI_PLANS))
 def test_dry_run_equals_gloo_run_every_family(dist, key: str) -> None:
-    _compare(dist, *SLOW_PLANS[key], world=4)
+    _compare(dist, *{**SLOW_PLANS, **CI_PLANS}[key], world=4)
 
 
 @pytest.mark.slow
@@ -179,3 +182,20 @@ def test_checkpoint_plan_metadata_equals_a_real_save(dist, tmp_path) -> None:
     planned = checkpoint_metadata(config, plan, 4, jobs=2)
     assert (planned["tensors"], planned["chunks"]) == (real["tensors"], real["chunks"])
     assert abs(planned["metadata_bytes"] - real["metadata_bytes"]) / real["metadata_bytes"] < 0.05, (planned, real)
+
+
+def test_plan_search_verifies_its_top_plan(tmp_path, capsys) -> None:
+    """`--verify K`: the K fastest plans run through the dry run, each rank's measured peak beside the
+    estimate and the budget, and whether the collectives equal the estimate's."""
+    from meshkit.estimate.search import main
+
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"model_type": "llama", **DENSE}))
+    assert main(["--model", str(model), "--world", "2", "--seq", str(SEQ), "--global-batch-tokens", "64",
+                 "--top", "1", "--verify", "1"]) == 0
+    out = capsys.readouterr().out
+    verified = out.split("verified by the dry run")[1].strip().splitlines()[2:]
+    assert verified, out
+    for line in verified:
+        words = line.split()
+        assert words[0] == "1" and float(words[3]) > 0 and words[4] == "yes" and words[5] == "equal", line
