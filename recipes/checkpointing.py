@@ -2,7 +2,9 @@
 
 One command serves the first launch and every restart (`--resume auto`): the newest checkpoint under
 `save_dir` that verifies resumes, older ones are tried when newer ones are damaged (a warning names
-what was wrong), and with none at all the run starts fresh. A run never mixes its checkpoints with
+what was wrong, and a run that saves moves each damaged one aside to `<name>.damaged`, kept for
+inspection, so it never blocks the run's own save of that step), and with none at all the run
+starts fresh. A run never mixes its checkpoints with
 another run's: a fresh run into a `save_dir` holding checkpoints, or a resumed run that would save
 over newer checkpoints of its own (`--load-step` an older one), is refused unless `--overwrite`
 says to delete them. Verifying reads every byte, so rank 0 decides and broadcasts the decision.
@@ -36,6 +38,7 @@ class Decision:
     notes: list[str] = field(default_factory=list)  # printed by rank 0: warnings, deletions
     error: str | None = None
     delete: list[str] = field(default_factory=list)  # --overwrite: checkpoints rank 0 deletes
+    move_aside: list[str] = field(default_factory=list)  # damaged checkpoints rank 0 renames to <name>.damaged
 
 
 def decide(cfg: Any) -> Decision:
@@ -61,6 +64,10 @@ def decide(cfg: Any) -> Decision:
     if found is not None and found.path is not None:
         record = _manifest_or_empty(found.path)
         decision = Decision(found.path, found.step or 0, record.get("run_id") or fresh_id, found.warnings())
+        if cfg.resume == AUTO and cfg.save_every:
+            # Newer checkpoints that failed verification would block this run's saves of those steps and
+            # read as "newer checkpoints of the run": renamed, kept for inspection, never in the way.
+            decision.move_aside = [path for path, _ in found.skipped]
     else:
         decision = Decision(run_id=fresh_id, notes=found.warnings() if found else [])
     if cfg.save_every:
@@ -80,6 +87,11 @@ def _check_save_dir(cfg: Any, decision: Decision) -> Decision:
     """Checkpoints in save_dir that this run would mix with or save over."""
     foreign = []
     for path, run_id in retention.run_ids(cfg.save_dir).items():
+        if path in decision.move_aside:
+            continue
+        if run_id is None and cfg.resume == AUTO and decision.path is not None:
+            decision.move_aside.append(path)  # no readable manifest: damaged, whose run it was is unknown
+            continue
         step = manifest.step_of(path) or 0
         ours = decision.path is not None and run_id == decision.run_id
         if not ours or step > decision.step:
@@ -122,6 +134,9 @@ class Checkpointing:
                 print(f"meshkit: {note}", flush=True)
             for path in self.decision.delete:
                 retention.remove(path)
+            for path in self.decision.move_aside:
+                print(f"meshkit: moved the damaged checkpoint {path} aside to {retention.move_aside(path)} (kept for "
+                      "inspection; this run saves that step again)", flush=True)
         self.saver = AsyncCheckpointer() if cfg.async_save and cfg.save_every else None
         self.resumed_extra: Any = None
 

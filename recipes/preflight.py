@@ -31,7 +31,7 @@ from meshkit.step.consensus import raise_if_any
 # Ranges of the known [train] and [data] fields; fields other modules add are type-checked only.
 AT_LEAST_1 = ("steps", "seq_len", "local_batch", "grad_accum", "log_every", "branching")
 AT_LEAST_0 = ("eval_every", "eval_batches", "save_every", "keep_last", "load_step", "threads", "warmup_steps",
-              "peak_tflops", "clip", "weight_decay", "heartbeat_s")
+              "peak_tflops", "clip", "weight_decay", "heartbeat_s", "nonfinite_max_consecutive", "nonfinite_max_total")
 POSITIVE = ("lr", "timeout_s")
 FRACTION = ("beta1", "beta2")  # [0, 1)
 RATIO = ("min_lr_ratio",)  # [0, 1]
@@ -187,22 +187,3 @@ def check_filesystem(run: Any, model_config: Any) -> None:
     cfg = run.train
     problem = save_dir_problem(cfg.save_dir, checkpoint_bytes(model_config)) if cfg.save_every else None
     raise_if_any(problem)
-
-
-def restart_store_warning(env: dict[str, str] | None = None) -> str | None:
-    """Why a torchrun restart of this job may fail to rendezvous, with the fix; None when it cannot.
-
-    torchrun's c10d rendezvous shares one TCPStore with its workers (`TORCHELASTIC_USE_AGENT_STORE`),
-    and in torch 2.5 to 2.13 that store outlives a restart: the restarted workers' gloo groups find
-    the killed attempt's addresses under the same keys and a rank can connect to a dead peer
-    ("Connection refused" in gloo's connectFullMesh) before the new peer overwrites them, which
-    spends a `--max-restarts` (pytorch/pytorch#135712). The torch-side opt-out gives every attempt a
-    store of its own. Prefixing keys by TORCHELASTIC_RESTART_COUNT is not the fix: each node's agent
-    counts its own restarts, so nodes disagree on the count.
-    """
-    env = os.environ if env is None else env
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
-        return None
-    return ("meshkit: warning: torchrun shares its rendezvous store with the workers, and a restart can then "
-            "connect to the killed attempt's ranks (pytorch/pytorch#135712); fix: launch with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")

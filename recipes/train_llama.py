@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from checkpointing import Checkpointing
 from loss_plot import write_loss_plot
-from nonfinite import NonFiniteGuard
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 from tqdm import tqdm
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
@@ -49,6 +48,7 @@ from meshkit import estimate, heartbeat, metrics
 from meshkit.mesh import ensure_process_group, world_size_from_env
 from meshkit.models.moe import moe_spec
 from meshkit.state.run_record import resume_problem, run_record, with_run_record
+from meshkit.step.nonfinite import NonFiniteGuard
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -220,9 +220,6 @@ def train(run: RunConfig) -> dict[str, float]:
         timeout = heartbeat.collective_timeout_s()
         print(f"meshkit: collective timeout {'unknown' if timeout is None else f'{timeout:.0f} s'}, heartbeat "
               f"{f'{cfg.heartbeat_s:g} s' if beat is not None else 'off'}", flush=True)
-        restart_warning = preflight.restart_store_warning()
-        if restart_warning:
-            print(restart_warning, flush=True)
     try:
         return _train(run, model_config, ckpt_dir, load_weights, beat)
     finally:
@@ -240,8 +237,8 @@ def _start_heartbeat(cfg: TrainConfig) -> heartbeat.Heartbeat | None:
         sys.stderr.flush()
         os._exit(EXIT_SILENT_RANK)
 
-    return heartbeat.start_for_process_group(cfg.heartbeat_s, end_job,
-                                             namespace=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # No namespace needed: each torchrun attempt's group has a store namespace of its own (meshkit.attempt_store).
+    return heartbeat.start_for_process_group(cfg.heartbeat_s, end_job)
 
 
 EXIT_SILENT_RANK = 3  # documented in docs/reliability.md
@@ -284,7 +281,9 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     problem = resume_problem(ckpt.resumed_extra, record, cfg.allow_batch_change) if ckpt.resuming else None
     if problem:  # the same checkpoint metadata on every rank: every rank raises
         raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
-    guard = NonFiniteGuard(cfg.on_nonfinite, rank)
+    guard = NonFiniteGuard(cfg.on_nonfinite, max_consecutive=cfg.nonfinite_max_consecutive,
+                           max_total=cfg.nonfinite_max_total, rank=rank,
+                           names=("[train] nonfinite_max_consecutive", "[train] nonfinite_max_total"))
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
@@ -400,7 +399,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
               f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
-              f"{memory} | "
+              f"{memory} | {guard.summary() + ' | ' if guard.skipped else ''}"
               f"TensorBoard: tensorboard --logdir {cfg.log_dir} | loss curve: "
               f"{plot or 'not drawn (pip install matplotlib)'}", flush=True)
     return summary

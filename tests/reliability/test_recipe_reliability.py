@@ -163,6 +163,27 @@ def test_save_dir_policy_resume_auto_load_step_keep_last(dist, tmp_path):
     fresh = checkpointing.decide(replace(cfg, overwrite=True))
     assert fresh.path is None and fresh.error is None and fresh.delete == [str(root / "step-00000004")]
 
+def test_a_damaged_newest_checkpoint_never_blocks_resume_auto(dist, tmp_path):
+    """A restart after the newest checkpoint was damaged (a truncated shard): `--resume auto` resumes
+    from the older one, moves the damaged one aside (kept, renamed `.damaged`) instead of refusing it
+    as a newer checkpoint of the run, saves that step again and ends exactly where an undamaged run
+    ends. A checkpoint whose manifest no longer reads (run unknown) is moved aside the same way."""
+    pool = dist(2)
+    root = tmp_path / "ckpt"
+    base = {"save_dir": str(root), "log_dir": str(tmp_path / "runs"), "save_every": 2, "resume": "auto"}
+    first = pool.run(_train, base)[0]
+    shard = root / "step-00000004" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    (root / "step-00000000").mkdir()  # an older step whose manifest is gone (step 0: no save makes it)
+    (root / "step-00000000" / "manifest.json").write_text("{trunc")
+    again = pool.run_raw(_train, base)
+    assert all(o.ok for o in again), [o.message for o in again]
+    assert again[0].value["last_loss"] == first["last_loss"] and again[0].value["run_id"] == first["run_id"]
+    assert again[0].value["first_loss"] != first["first_loss"]  # resumed at step 3
+    assert "moved the damaged checkpoint" in again[0].output and "step-00000004.damaged" in again[0].output
+    assert _steps(root) == ["step-00000000.damaged", "step-00000002", "step-00000004", "step-00000004.damaged"]
+    assert checkpoint.verify(root / "step-00000004") == []
+    assert (root / "step-00000004.damaged" / "__1_0.distcp").stat().st_size == 100  # kept as it was found
 
 
 def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
@@ -171,7 +192,14 @@ def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
     for o in pool.run_raw(_train, {**common, "save_dir": str(tmp_path / "error")}):
         assert o.exc_type == "ValueError" and o.message.startswith("step 2: non-finite gradient norm"), o.message
     assert _steps(tmp_path / "error") == ["step-00000001"]
-    skipped = pool.run(_train, {**common, "save_dir": str(tmp_path / "skip"), "on_nonfinite": "skip"})[0]
-    assert skipped["skipped_steps"] == [2, 3, 4]
+    skipped = pool.run_raw(_train, {**common, "save_dir": str(tmp_path / "skip"), "on_nonfinite": "skip"})
+    assert skipped[0].value["skipped_steps"] == [2, 3, 4]
+    assert "skipped 3 non-finite step(s): 2, 3, 4 |" in skipped[0].output  # the closing summary line
     for path in sorted((tmp_path / "skip").iterdir()):  # finite (save refuses anything else) and verified
         assert checkpoint.verify(path) == [], path
+    # Skipping has limits: a third non-finite step in a row stops the run on every rank, naming the limit.
+    limited = {**common, "save_dir": str(tmp_path / "limit"), "on_nonfinite": "skip", "nonfinite_max_consecutive": 2}
+    for o in pool.run_raw(_train, limited):
+        assert o.exc_type == "ValueError" and o.message.startswith("step 4: non-finite gradient norm"), o.message
+        assert "3 in a row ([train] nonfinite_max_consecutive=2)" in o.message and "skipped steps: 2, 3, 4" in o.message
+    assert _steps(tmp_path / "limit") == ["step-00000001", "step-00000002", "step-00000003"]
