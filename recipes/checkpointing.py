@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import save_lock  # the recipe's own module beside this one (the script's folder is on sys.path)
 import torch
 import torch.distributed as dist
 
@@ -130,6 +131,9 @@ class Checkpointing:
         if self.decision.error:
             raise ValueError(self.decision.error)  # the same on every rank, before any training
         if self.rank == 0:
+            lock = save_lock.held(cfg.save_dir)
+            if lock is not None:
+                lock.set_run_id(self.run_id)
             for note in self.decision.notes:
                 print(f"meshkit: {note}", flush=True)
             for path in self.decision.delete:

@@ -6,7 +6,8 @@ hours later at the first save or deep inside AdamW: a missing config file, a typ
 values of the wrong type or range, a sequence length or batch the plan cannot split, and a save
 directory that is not writable or too small for one checkpoint. The config checks are pure, so
 every rank raises the same ValueError without communicating; the filesystem checks differ per rank
-(each rank writes its own shards) and are agreed on with one all-reduce.
+(each rank writes its own shards) and are agreed on with one all-reduce; rank 0 also takes the save
+directory's lock, so a second run into the same directory is refused here, naming the first.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import data_setup  # the recipe's own module beside this one (the script's folder is on sys.path)
+import data_setup  # the recipe's own modules beside this one (the script's folder is on sys.path)
+import save_lock
+import torch.distributed as dist
 
 import meshkit
 from meshkit import estimate
@@ -183,7 +186,21 @@ def save_dir_problem(save_dir: str, needed: int | None) -> str | None:
 
 
 def check_filesystem(run: Any, model_config: Any) -> None:
-    """Collective: the save directory works for every rank, or every rank raises the same error."""
+    """Collective: the save directory works for every rank and no other run saves there (rank 0 takes
+    its lock, `save_lock`), or every rank raises the same error. `release_save_dir` undoes it."""
     cfg = run.train
     problem = save_dir_problem(cfg.save_dir, checkpoint_bytes(model_config)) if cfg.save_every else None
+    if problem is None and cfg.save_every and (not dist.is_initialized() or dist.get_rank() == 0):
+        lock, note = save_lock.SaveDirLock.acquire(cfg.save_dir)
+        if lock is None:
+            problem = note
+        elif note:
+            print(f"meshkit: {note}", flush=True)
     raise_if_any(problem)
+
+
+def release_save_dir(cfg: Any) -> None:
+    """Give up this process's lock on the save directory (at the end of a run, however it ended)."""
+    lock = save_lock.held(cfg.save_dir)
+    if lock is not None:
+        lock.release()

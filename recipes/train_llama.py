@@ -223,6 +223,7 @@ def train(run: RunConfig) -> dict[str, float]:
     try:
         return _train(run, model_config, ckpt_dir, load_weights, beat)
     finally:
+        preflight.release_save_dir(cfg)
         if beat is not None:
             beat.stop()
 

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import math
+import multiprocessing
+import os
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +32,7 @@ train_llama = importlib.import_module("train_llama")
 train_config = importlib.import_module("train_config")
 preflight = importlib.import_module("preflight")
 checkpointing = importlib.import_module("checkpointing")
+save_lock = importlib.import_module("save_lock")
 
 TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
@@ -203,3 +210,60 @@ def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
         assert o.exc_type == "ValueError" and o.message.startswith("step 4: non-finite gradient norm"), o.message
         assert "3 in a row ([train] nonfinite_max_consecutive=2)" in o.message and "skipped steps: 2, 3, 4" in o.message
     assert _steps(tmp_path / "limit") == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+# --------------------------------------------------------------------------------- save-dir lock
+
+
+def _race_for_the_lock(save_dir: str, start) -> bool:
+    start.wait()
+    lock, _ = save_lock.SaveDirLock.acquire(save_dir)
+    return lock is not None
+
+
+def test_of_runs_starting_at_once_exactly_one_takes_the_save_dir(tmp_path):
+    context = multiprocessing.get_context("fork")
+    start = context.Manager().Event()
+    with context.Pool(6) as processes:
+        pending = [processes.apply_async(_race_for_the_lock, (str(tmp_path), start)) for _ in range(6)]
+        time.sleep(0.5)
+        start.set()
+        assert sorted(p.get(timeout=60) for p in pending) == [False] * 5 + [True]
+
+
+def test_a_second_run_is_refused_at_preflight_and_a_dead_holders_lock_is_taken_over(dist, tmp_path):
+    pool = dist(2)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    base = {"save_dir": str(root), "log_dir": str(tmp_path / "runs"), "save_every": 2, "resume": "auto"}
+    holder, _ = save_lock.SaveDirLock.acquire(root)  # a live run: this test process, its run id chosen
+    holder.set_run_id("run-a")
+    for o in pool.run_raw(_train, base):
+        assert o.exc_type == "ValueError" and f"save_dir={str(root)!r} is in use by another run (run run-a, pid " \
+            f"{os.getpid()} on {socket.gethostname()}" in o.message, o.message
+    assert not list(root.glob("step-*"))  # refused before any training
+    holder.release()
+
+    # A holder killed without releasing: its pid has ended, or now names another process (pid reuse).
+    for pid, start in [(_a_finished_pid(), None), (os.getpid(), 1)]:
+        record = {"token": "dead", "run_id": "run-b", "host": socket.gethostname(), "pid": pid, "proc_start": start}
+        (root / save_lock.LOCK).write_text(json.dumps(record))
+        run = pool.run_raw(_train, {**base, "steps": 2})
+        assert all(o.ok for o in run), [o.message for o in run]
+        assert f"took over the stale lock {root / save_lock.LOCK} (its process has ended: run run-b" in run[0].output
+        assert not (root / save_lock.LOCK).exists()  # released at the end of the run
+
+
+def _a_finished_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_which_locks_are_stale():
+    me = {"host": "node-a", "job": "job-1"}
+    assert save_lock.stale_reason({}, me, 0) is not None  # unreadable
+    assert save_lock.stale_reason({"host": "node-b", "job": "job-1"}, me, 0) == "an earlier attempt of this torchrun job"
+    assert save_lock.stale_reason({"host": "node-b", "job": "job-0"}, me, 60) is None  # another host, refreshed
+    assert "not refreshed" in save_lock.stale_reason({"host": "node-b", "job": None}, me, save_lock.STALE_S + 1)
+    alive = {"host": "node-a", "job": None, "pid": os.getpid(), "proc_start": save_lock._proc_start(os.getpid())}
+    assert save_lock.stale_reason(alive, me, save_lock.STALE_S + 1) is None  # same host: the pid decides
