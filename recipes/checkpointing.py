@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,11 @@ import meshkit
 from meshkit import checkpoint
 from meshkit.state import manifest, retention
 from meshkit.state.async_checkpoint import AsyncCheckpointer
+from meshkit.state.atomic import CheckpointWriteError
 
 AUTO = "auto"
+EXIT_SAVE_FAILED = 4  # a checkpoint could not be written and on_save_error = "stop" (docs/reliability.md)
+__all__ = ["EXIT_SAVE_FAILED", "Checkpointing", "CheckpointWriteError", "decide", "follow_schedule_after_resume"]
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Checkpointing:
                       "inspection; this run saves that step again)", flush=True)
         self.saver = AsyncCheckpointer() if cfg.async_save and cfg.save_every else None
         self.resumed_extra: Any = None
+        self.failed_saves: list[str] = []  # on_save_error = "continue": checkpoints that could not be written
 
     @property
     def run_id(self) -> str:
@@ -176,10 +181,13 @@ class Checkpointing:
         kwargs = dict(scheduler=scheduler, step=step, extra=extra, run_id=self.run_id, global_batch=self.global_batch,
                       data=data)
         if self.saver is None:
-            self.pm.save_checkpoint(path, optimizer, **kwargs)
-            self._retain()
+            try:
+                self.pm.save_checkpoint(path, optimizer, **kwargs)
+                self._retain()
+            except CheckpointWriteError as err:
+                self._save_failed(err)
         else:
-            if self.saver.wait() is not None:  # the previous save is complete: prune now
+            if self._wait() is not None:  # the previous save is complete: prune now
                 self._retain()
             self.saver.save(path, self.pm, optimizer, **kwargs)
         return time.perf_counter() - start
@@ -187,12 +195,47 @@ class Checkpointing:
     def close(self) -> None:
         """Finish a save in flight (collective) and apply retention to it."""
         if self.saver is not None:
-            done = self.saver.wait()
-            self.saver.close()
+            try:
+                done = self._wait()
+            finally:
+                self.saver.close()
             if done is not None:
                 self._retain()
+
+    def _wait(self) -> str | None:
+        try:
+            return self.saver.wait()
+        except CheckpointWriteError as err:
+            self._save_failed(err)
+            return None
+
+    def _save_failed(self, err: CheckpointWriteError) -> None:
+        """A save that could not be written (disk full): stop (raise, said once by the caller) or, with
+        on_save_error = "continue", say so once and train on; the next save tries again."""
+        if self.cfg.on_save_error != "continue":
+            raise err
+        self.failed_saves.append(err.path)
+        if self.rank == 0:
+            print(f"meshkit: {err}; training continues (on_save_error = \"continue\"), the next save tries again",
+                  flush=True)
 
     def _retain(self) -> None:
         if self.rank == 0 and self.cfg.keep_last:
             for path in retention.prune(self.cfg.save_dir, self.cfg.keep_last):
                 print(f"meshkit: keep_last={self.cfg.keep_last}: deleted {path}", flush=True)
+
+
+def follow_schedule_after_resume(scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[float, float]:
+    """Set the learning rate of the restored step from this run's schedule; return (restored, now).
+
+    A checkpoint restores the scheduler's step and its last learning rate, but the schedule itself is
+    rebuilt from this run's [train] steps and warmup: a run extended with a larger --steps would take
+    its first step at the old schedule's rate and its next on the new curve. Stepping back and forward
+    once makes the restored step's rate the new schedule's, so the jump (if any) is one the caller sees.
+    """
+    restored = scheduler.get_last_lr()[0]
+    scheduler.last_epoch -= 1
+    with warnings.catch_warnings():  # "step() before optimizer.step()": no optimizer step is skipped here
+        warnings.simplefilter("ignore")
+        scheduler.step()
+    return restored, scheduler.get_last_lr()[0]

@@ -38,7 +38,7 @@ AT_LEAST_0 = ("eval_every", "eval_batches", "save_every", "keep_last", "load_ste
 POSITIVE = ("lr", "timeout_s")
 FRACTION = ("beta1", "beta2")  # [0, 1)
 RATIO = ("min_lr_ratio",)  # [0, 1]
-CHOICES = {"on_nonfinite": ("error", "skip")}
+CHOICES = {"on_nonfinite": ("error", "skip"), "on_save_error": ("stop", "continue")}
 # Keys of [model] that are no HF config field yet mean something: the recipe's own, and meshkit's Llama-MoE
 # switch (a `meshkit_moe` table swaps a Llama-family model's MLPs for meshkit MoE layers).
 RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type", LLAMA_MOE_KEY)

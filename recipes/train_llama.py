@@ -27,7 +27,7 @@ import data_setup  # the recipe's own modules beside this script (the script's f
 import preflight
 import torch
 import torch.distributed as dist
-from checkpointing import Checkpointing
+from checkpointing import EXIT_SAVE_FAILED, Checkpointing, CheckpointWriteError, follow_schedule_after_resume
 from loss_plot import write_loss_plot
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 from tqdm import tqdm
@@ -114,22 +114,6 @@ def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.opt
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def follow_schedule_after_resume(scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[float, float]:
-    """Set the learning rate of the restored step from this run's schedule; return (restored, now).
-
-    A checkpoint restores the scheduler's step and its last learning rate, but the schedule itself is
-    rebuilt from this run's [train] steps and warmup: a run extended with a larger --steps would take
-    its first step at the old schedule's rate and its next on the new curve. Stepping back and forward
-    once makes the restored step's rate the new schedule's, so the jump (if any) is one the caller sees.
-    """
-    restored = scheduler.get_last_lr()[0]
-    scheduler.last_epoch -= 1
-    with warnings.catch_warnings():  # "step() before optimizer.step()": no optimizer step is skipped here
-        warnings.simplefilter("ignore")
-        scheduler.step()
-    return restored, scheduler.get_last_lr()[0]
 
 
 # -------------------------------------------------------------------------------------- estimate
@@ -384,7 +368,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": statistics.median(steady),
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
-               "run_id": ckpt.run_id, "data_wait_s": sum(waits)}
+               "run_id": ckpt.run_id, "data_wait_s": sum(waits), "failed_saves": ckpt.failed_saves}
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
@@ -440,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"[rank {_rank()}] error: {err}\n")
         sys.stderr.flush()
         return 2
+    except CheckpointWriteError as err:  # disk full at a save (on_save_error = "stop"): every rank has it, one says it
+        if _rank() == 0:
+            sys.stderr.write(f"error: {err}\n")
+        return EXIT_SAVE_FAILED
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -21,9 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 import meshkit
 from meshkit.state import checkpoint, manifest
+from meshkit.state.atomic import CheckpointWriteError
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "recipes") not in sys.path:
@@ -211,6 +214,62 @@ def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
         assert "3 in a row ([train] nonfinite_max_consecutive=2)" in o.message and "skipped steps: 2, 3, 4" in o.message
     assert _steps(tmp_path / "limit") == ["step-00000001", "step-00000002", "step-00000003"]
 
+
+# ------------------------------------------------------------------------------ disk full at a save
+
+
+def _train_on_a_full_disk(settings: dict, full_step: int) -> dict:
+    """`_train`, with rank 1's shard of step `full_step` written into /dev/full: the kernel's own
+    ENOSPC on DCP's real write path (only where the file points is the test's)."""
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if torch.distributed.get_rank() == 1 and f"step-{full_step:08d}" in str(self.path):
+            os.symlink("/dev/full", Path(self.path) / "__1_0.distcp")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+    try:
+        return _train(settings)
+    finally:
+        FileSystemWriter.write_data = original
+
+
+def test_a_full_disk_at_a_save_is_named_once_cleaned_up_and_stops_or_continues(dist, tmp_path, capsys, monkeypatch):
+    pool = dist(2)
+    stop = tmp_path / "stop"
+    for o in pool.run_raw(_train_on_a_full_disk, {"save_dir": str(stop), "log_dir": str(tmp_path), "save_every": 2}, 4):
+        assert o.exc_type == "CheckpointWriteError", o.traceback
+        assert o.message.startswith(f"checkpoint {stop / 'step-00000004'} was not saved: No space left on device "
+                                    "(errno 28) on rank 1; the partial write was removed and every earlier checkpoint "
+                                    f"is untouched; the newest complete checkpoint is still {stop / 'step-00000002'}; "
+                                    "fix: free space"), o.message
+    assert sorted(os.listdir(stop)) == ["step-00000002"]  # no .step-00000004.partial left filling the disk
+    assert checkpoint.verify(stop / "step-00000002") == []
+
+    # on_save_error = "continue", saving in the background: step 2's save fails, training goes on, step 4 saves.
+    go_on = tmp_path / "continue"
+    settings = {"save_dir": str(go_on), "log_dir": str(tmp_path), "save_every": 2, "async_save": True,
+                "on_save_error": "continue"}
+    outcomes = pool.run_raw(_train_on_a_full_disk, settings, 2)
+    assert all(o.ok for o in outcomes), [o.traceback for o in outcomes]
+    assert outcomes[0].value["failed_saves"] == [str(go_on / "step-00000002")]
+    said = "was not saved: No space left on device (errno 28) on rank 1"
+    assert outcomes[0].output.count(said) == 1 and said not in outcomes[1].output  # once, by rank 0
+    assert "training continues" in outcomes[0].output
+    assert sorted(os.listdir(go_on)) == ["step-00000004"] and checkpoint.verify(go_on / "step-00000004") == []
+
+    # "stop" ends the recipe with exit status 4 and the message once (rank 0), no traceback.
+    def full(run):
+        raise CheckpointWriteError("checkpoint x was not saved: No space left on device", "x", "No space left")
+
+    monkeypatch.setattr(train_llama, "train", full)
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(TINY_TOML)
+    capsys.readouterr()  # the pool's forwarded output so far
+    assert train_llama.main(["--config", str(preset)]) == 4
+    err = capsys.readouterr().err
+    assert err == "error: checkpoint x was not saved: No space left on device\n", err
 
 # --------------------------------------------------------------------------------- save-dir lock
 
