@@ -15,14 +15,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshkit import _compat
+from meshkit._compat.collectives import default_store
 from meshkit.mesh import ensure_process_group
 
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 if attempt == 1 and rank == 0:
     time.sleep(3)
 ensure_process_group("cpu", timeout_s=60)
-store = _compat.default_store()
+store = default_store()
 seen = store.check(["probe/attempt-0"])
 if attempt == 0:
     if rank == 0:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import meshkit
-from meshkit import _compat, heartbeat
+from meshkit import heartbeat
+from meshkit._compat.collectives import default_store
 from tests.reliability.recipe_run import (
     ROOT,
     checkpoint_tensors,
@@ -50,7 +51,7 @@ def _stop_a_peer(namespace: str, timeout_s: float) -> list[str]:
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     heard: list[str] = []
-    said = dist.PrefixStore(f"heard/{namespace}/", _compat.default_store())
+    said = dist.PrefixStore(f"heard/{namespace}/", default_store())
 
     def on_silent(silent: list[heartbeat.Silent]) -> None:
         heard.extend(s.message(rank) for s in silent)
@@ -142,7 +143,7 @@ def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path, rende
     assert ours.keys() == theirs.keys() and len(ours) > 0
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
-    assert meshkit.checkpoint.verify(save_dir / "step-00000009") == []
+    assert meshkit.state.checkpoint.verify(save_dir / "step-00000009") == []
 
 
 # ------------------------------------------------------------------------------------ a full disk
@@ -179,4 +180,4 @@ def test_a_really_full_disk_stops_the_run_once_and_keeps_earlier_checkpoints(tmp
     assert "CheckpointException" not in output and 'train_llama.py", line' not in output  # no worker traceback
     assert sorted(p.name for p in kept.iterdir() if p.name != ".meshkit-lock") == ["step-00000003", "step-00000006"]
     for step in ("step-00000003", "step-00000006"):
-        assert meshkit.checkpoint.verify(kept / step) == []
+        assert meshkit.state.checkpoint.verify(kept / step) == []
