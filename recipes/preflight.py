@@ -185,17 +185,21 @@ def save_dir_problem(save_dir: str, needed: int | None) -> str | None:
     return None
 
 
-def check_filesystem(run: Any, model_config: Any) -> None:
+def check_filesystem(run: Any, model_config: Any, take_lock: bool = True) -> None:
     """Collective: the save directory works for every rank and no other run saves there (rank 0 takes
-    its lock, `save_lock`), or every rank raises the same error. `release_save_dir` undoes it."""
+    its lock, `save_lock`), or every rank raises the same error. `release_save_dir` undoes it.
+    `take_lock=False` (a dry check that will not train) only reports a live holder."""
     cfg = run.train
     problem = save_dir_problem(cfg.save_dir, checkpoint_bytes(model_config)) if cfg.save_every else None
     if problem is None and cfg.save_every and (not dist.is_initialized() or dist.get_rank() == 0):
-        lock, note = save_lock.SaveDirLock.acquire(cfg.save_dir)
-        if lock is None:
-            problem = note
-        elif note:
-            print(f"meshkit: {note}", flush=True)
+        if not take_lock:
+            problem = save_lock.holder_problem(cfg.save_dir)
+        else:
+            lock, note = save_lock.SaveDirLock.acquire(cfg.save_dir)
+            if lock is None:
+                problem = note
+            elif note:
+                print(f"meshkit: {note}", flush=True)
     raise_if_any(problem)
 
 

@@ -94,6 +94,17 @@ class SaveDirLock:
                 return
 
 
+def holder_problem(save_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> str | None:
+    """The refusal `acquire` would give (a live run holds the directory), without taking the lock."""
+    path = Path(save_dir) / LOCK
+    if not path.exists() or str(path) in _held:
+        return None
+    holder = _read(path)
+    if stale_reason(holder, _describe(os.environ if env is None else env), _age_s(path)) is not None:
+        return None
+    return _refusal(save_dir, path, holder)
+
+
 def held(save_dir: str | os.PathLike) -> SaveDirLock | None:
     """The lock this process holds on `save_dir`, if any."""
     return _held.get(str(Path(save_dir) / LOCK))

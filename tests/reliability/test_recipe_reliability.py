@@ -295,8 +295,10 @@ def test_a_second_run_is_refused_at_preflight_and_a_dead_holders_lock_is_taken_o
     root = tmp_path / "ckpt"
     root.mkdir()
     base = {"save_dir": str(root), "log_dir": str(tmp_path / "runs"), "save_every": 2, "resume": "auto"}
+    assert save_lock.holder_problem(root) is None
     holder, _ = save_lock.SaveDirLock.acquire(root)  # a live run: this test process, its run id chosen
     holder.set_run_id("run-a")
+    assert save_lock.holder_problem(root) is None  # its own lock is no obstacle to this process
     for o in pool.run_raw(_train, base):
         assert o.exc_type == "ValueError" and f"save_dir={str(root)!r} is in use by another run (run run-a, pid " \
             f"{os.getpid()} on {socket.gethostname()}" in o.message, o.message
@@ -318,7 +320,11 @@ def _a_finished_pid() -> int:
     return int(done.stdout)
 
 
-def test_which_locks_are_stale():
+def test_which_locks_are_stale(tmp_path):
+    live = {"token": "t", "run_id": "run-c", "host": socket.gethostname(), "pid": 1,
+            "proc_start": save_lock._proc_start(1)}  # init: a live process that is not this one
+    (tmp_path / save_lock.LOCK).write_text(json.dumps(live))
+    assert "is in use by another run (run run-c, pid 1 on" in save_lock.holder_problem(tmp_path)  # a dry check
     me = {"host": "node-a", "job": "job-1"}
     assert save_lock.stale_reason({}, me, 0) is not None  # unreadable
     assert save_lock.stale_reason({"host": "node-b", "job": "job-1"}, me, 0) == "an earlier attempt of this torchrun job"
