@@ -102,14 +102,15 @@ def _up_to_date(output: Path, fingerprint: str, progress: bool) -> dict[str, Any
 
 
 def _encode_batch(batch: dict[str, list], tok: Any, source: DocumentSource, eos_id: int) -> dict[str, list]:
+    """One `Dataset.map` batch: each document's token ids (EOS-terminated) and loss mask ([] for none)."""
     ids_out, masks_out = [], []
     for ids, mask in source.encode(tok, batch["text"]):
-        ids = list(ids)
+        ids = np.asarray(ids, dtype=np.int64)  # 8 bytes a token, not a Python int object each (one huge line)
         mask = None if mask is None else list(mask)
         if mask is not None and len(mask) != len(ids):
             raise ValueError(f"document source {source.name!r}: a mask of {len(mask)} for {len(ids)} tokens")
-        if not ids or ids[-1] != eos_id:
-            ids.append(eos_id)
+        if not len(ids) or ids[-1] != eos_id:
+            ids = np.append(ids, eos_id)
             if mask is not None:
                 mask.append(1)
         ids_out.append(ids)

@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 
 __all__ = ["TEXT", "DocumentSource", "Encoded", "find_inputs", "pieces", "read_documents"]
 
 TEXT_PATTERNS = ("*.txt", "*.md", "*.py")
 _SKIP_DIRS = {"__pycache__", ".git"}
 
-# One document: its token ids (EOS appended by `prepare` when missing) and an optional loss mask.
-Encoded = tuple[list[int], "list[int] | None"]
+# One document: its token ids (a list, or an int64 array for a document encoded in pieces; EOS appended
+# by `prepare` when missing) and an optional loss mask.
+Encoded = tuple["list[int] | np.ndarray", "list[int] | None"]
 
 
 def _text_value(value: Any, where: str) -> str:
@@ -92,7 +94,7 @@ def _encode_text(tokenizer: Any, values: Sequence[str]) -> list[Encoded]:
             size += len(piece)
     out, i = [], 0
     for ps in split:
-        row = [t for part in ids[i:i + len(ps)] for t in part] if len(ps) > 1 else ids[i]
+        row = np.concatenate([np.asarray(part, dtype=np.int64) for part in ids[i:i + len(ps)]]) if len(ps) > 1 else ids[i]
         out.append((row, None))
         i += len(ps)
     return out
