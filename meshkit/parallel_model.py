@@ -376,9 +376,11 @@ class ParallelModel:
         """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
         hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, **kwargs) -> None:
-        """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it)."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, **kwargs)
+    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+        """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
+        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
+        Only rank 0 assembles the full state and writes; every rank calls it."""
+        hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
