@@ -83,6 +83,15 @@ class BlendedRows:
         i, k = self.source_of(g)
         return self.sources[i].sample(k)
 
+    def in_first_epoch(self, g: int) -> bool:
+        """Whether global sample g is a row of its source's epoch 0."""
+        i, k = self.source_of(g)
+        return self.sources[i].in_first_epoch(k)
+
+    def padding(self) -> Row:
+        """A row with no target, as `PackedRows.padding`."""
+        return self.sources[0].padding()
+
     def identity(self) -> dict[str, Any]:
         """Every store's fingerprint and the weights: a resume on other data or weights is refused."""
         return {"blend": {k: s.store.fingerprint for k, s in zip(self.names, self.sources)}, "weights": self.weights}
