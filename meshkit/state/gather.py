@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshkit._compat import dtensor_chunks
+from meshkit._compat.dcp import dtensor_chunks
 from meshkit.local_tensor import local_tensor
 
 if TYPE_CHECKING:
