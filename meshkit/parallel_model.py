@@ -279,20 +279,30 @@ class ParallelModel:
         """
         return forward.forward(self, input_ids, position_ids, gather=gather)
 
-    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
-                 seed: int = 0) -> torch.Tensor:
+    def generate(self, prompt_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 stop_strings: str | list[str] | None = None, tokenizer=None, seed: int = 0) -> torch.Tensor:
         """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
 
-        temperature 0 is greedy, token for token what HF's `generate(do_sample=False)` gives on the
-        single-device model (same eos/pad handling: finished rows are padded with `pad_token_id`,
-        default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
-        samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
-        used under every plan except cp > 1, where each step recomputes the whole sequence. Every
-        rank calls it with the same `max_new_tokens`; see `meshkit.inference.generate`.
+        Options mean what they mean in HF's `generate`, and default as there: an argument left None
+        takes the model's `generation_config` (its eos and pad ids, a chat model's sampling defaults),
+        then HF's default (greedy; max_length 20). Greedy decoding is token for token HF's on the
+        single-device model: finished rows are padded with the pad id (default the first eos),
+        decoding stops when every row has emitted an eos or completed one of `stop_strings` (read
+        with `tokenizer`), `repetition_penalty` applies as HF applies it, and left-padded prompts of
+        different lengths come with their `attention_mask`. `do_sample=True` draws from the logits
+        shaped by temperature, top_k and top_p (HF's order), reproducibly for a given `seed`. A KV
+        cache is used under every plan except cp > 1. Collective: every rank calls it with the same
+        max_new_tokens and stopping conditions (tp/cp/pp peers with identical prompts and options),
+        or every rank raises; see `meshkit.inference.generate`.
         """
-        return generate.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+        return generate.generate(self, prompt_ids, attention_mask=attention_mask, tokenizer=tokenizer,
+                                 max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings,
+                                 seed=seed)
 
     def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
                        last_microbatch: bool = True) -> torch.Tensor:
