@@ -147,6 +147,19 @@ def test_state_from_other_data_or_order_is_refused(tmp_path):
     PackedLoader(store, seq_len=8, global_batch=8, seed=1).load_state_dict(state)  # another global batch is fine
 
 
+def test_the_store_fingerprint_names_its_tokenizer(tmp_path):
+    """The same token ids written by two tokenizers are different data: a loader state from one store
+    must not resume on the other."""
+    docs = [np.array([5, 9, 3, EOS]), np.array([7, 2, EOS])]
+    a = write_store(tmp_path / "a", docs, eos_id=EOS, vocab_size=VOCAB, tokenizer_sha256="1" * 64)
+    b = write_store(tmp_path / "b", docs, eos_id=EOS, vocab_size=VOCAB, tokenizer_sha256="2" * 64)
+    assert a.manifest["files"]["tokens.bin"] == b.manifest["files"]["tokens.bin"]
+    assert a.fingerprint != b.fingerprint
+    state = PackedLoader(a, seq_len=4, global_batch=2).state_dict()
+    with pytest.raises(ValueError, match="data loader data: saved"):
+        PackedLoader(b, seq_len=4, global_batch=2).load_state_dict(state)
+
+
 def test_bad_loader_arguments(tmp_path):
     store = _store(tmp_path, [10, 10, 10], val_every=0)
     with pytest.raises(ValueError, match="global_batch=6 rows do not split over dp_size=4"):
