@@ -215,10 +215,11 @@ def data_problems(data: DataConfig, train: TrainConfig, model_config: Any,
     if not uses_store(data):
         return {}, []
     stores, problems = _open_stores(data)
-    if len(stores) < len(data.weights or [data.path]):
-        return stores, problems
     problems += _tokenizer_problems(stores, model_dir)
-    problems += fits_model_problems(stores if data.weights else stores[data.path], train.seq_len, model_config)
+    # seq_len against max_position_embeddings is a config problem, named once by the config check
+    problems += [p for p in fits_model_problems(stores, train.seq_len, model_config) if not p.startswith("seq_len=")]
+    if len(stores) < len(data.weights or [data.path]):
+        return stores, problems  # the rows of a blend need every store
     splits = ["train"] + (["val"] if train.eval_every and train.eval_batches else [])
     for split in splits:
         try:

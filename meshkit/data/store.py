@@ -165,6 +165,13 @@ class TokenStore:
                              "the store again")
 
     def _check_files(self, verify: bool) -> None:
+        problems = self.file_problems(verify)
+        if problems:
+            raise ValueError(f"token store {str(self.path)!r}: " + "; ".join(problems)
+                             + "; fix: prepare the store again (or copy it whole)")
+
+    def file_problems(self, verify: bool = True) -> list[str]:
+        """Each manifest file that is missing, of the wrong size or (`verify`) of the wrong sha256."""
         problems = []
         for name, info in self.manifest.get("files", {}).items():
             file = self.path / name
@@ -176,9 +183,7 @@ class TokenStore:
                 problems.append(f"{name} has {size} bytes, the manifest says {info['bytes']} (truncated or altered)")
             elif verify and file_digest(file) != info["sha256"]:
                 problems.append(f"{name}'s sha256 does not match the manifest (altered or corrupt)")
-        if problems:
-            raise ValueError(f"token store {str(self.path)!r}: " + "; ".join(problems)
-                             + "; fix: prepare the store again (or copy it whole)")
+        return problems
 
     # ----------------------------------------------------------------------------------- reading
     @property
