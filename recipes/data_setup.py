@@ -129,9 +129,10 @@ class StoreData:
                               f"than one global batch of {loader.global_batch}: each step sees it "
                               f"{loader.epochs_per_batch:.3g} times (the loader epochs, each epoch in its own order)")
         if val is not None and val.num_batches < eval_batches:
-            self.notes.append(f"the held-out split holds {val.rows.rows_per_epoch} rows, fewer than eval_batches="
-                              f"{eval_batches} batches of {val.global_batch}: each evaluation reads them once in "
-                              f"{val.num_batches} batch(es), padded")
+            rows_val = val.rows.rows_per_epoch
+            self.notes.append(f"the held-out split holds {rows_val} row{'s' * (rows_val != 1)}, fewer than "
+                              f"eval_batches={eval_batches} batches of {val.global_batch}: each evaluation reads "
+                              f"them once in {val.num_batches} batch{'es' * (val.num_batches != 1)}, padded")
 
     @property
     def wait_s(self) -> float:

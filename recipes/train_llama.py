@@ -307,7 +307,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": statistics.median(steady),
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
-               "run_id": ckpt.run_id, "data_wait_s": sum(waits), "sample": sample}
+               "run_id": ckpt.run_id, "data_wait_s": sum(waits), "sample": sample,
+               "loss_history": dict(logger.losses)}  # the whole run's, resumed launches included (loss.png)
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
