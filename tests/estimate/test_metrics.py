@@ -375,13 +375,13 @@ def test_recipe_predicts_peak_memory(recipe, preset: str, world: int) -> None:
     and MoE blocks is not estimated (None, not a crash)."""
     run = recipe.load_config(str(ROOT / "recipes" / "configs" / f"{preset}.toml"))
     config, _, _ = recipe.build_model_config(run.model)
-    predicted = recipe.predicted_peak_bytes(config, run.plan, world, run.train)
+    predicted = recipe.preflight.predicted_peak_bytes(config, run.plan, world, run.train)
     assert isinstance(predicted, int) and predicted > 0
     if preset == "moe_debug_cpu":
         mixed = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=256,
                             meshkit_moe={"num_experts": 4, "top_k": 2, "layers": [0]})
-        assert recipe.predicted_peak_bytes(mixed, run.plan, world, run.train) is None
+        assert recipe.preflight.predicted_peak_bytes(mixed, run.plan, world, run.train) is None
 
 
 def _recipe_run(plan: str, log_dir: str) -> dict:
