@@ -111,10 +111,10 @@ def generate(pm: ParallelModel, prompt_ids: torch.Tensor, *, attention_mask: tor
     problem = forward.ids_problem(prompt_ids, None, config, "prompt_ids")
     opts = None
     if problem is None:
-        opts, problem = options.resolve(getattr(pm.model, "generation_config", None), prompt_ids.shape[1],
+        opts, problem = options.resolve_options(getattr(pm.model, "generation_config", None), prompt_ids.shape[1],
                                         {**given, "tokenizer": tokenizer})
         problem = problem or options.prompt_problem(prompt_ids, attention_mask, opts, config)
-    options.check(pm, prompt_ids, attention_mask, opts, problem)
+    options.refuse_on_every_rank(pm, prompt_ids, attention_mask, opts, problem)
     plan = pm.plan
     tokens = prompt_ids.to(pm.device, torch.int64)
     batch = tokens.shape[0]

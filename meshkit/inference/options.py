@@ -10,7 +10,7 @@ Agreement: every rank runs every decoding step (FSDP gathers, expert all-to-alls
 steps and whether rows can finish early must be the same on every rank, and the ranks that share a
 data rank's rows (tp/cp/pp peers) must share prompts and every option. A rank asking for other
 values would leave its peers waiting in a collective; instead every rank raises, each naming its
-own values, before the first step (`check`).
+own values, before the first step (`refuse_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from meshkit.step.consensus import disagreement, raise_if_any
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
 
-__all__ = ["StopStrings", "GenerateOptions", "check", "resolve"]
+__all__ = ["GenerateOptions", "StopStrings", "prompt_problem", "refuse_on_every_rank", "resolve_options"]
 
 # HF's global defaults for the fields meshkit reads (transformers 5.x).
 HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
@@ -69,7 +69,7 @@ def _ids(value: Any) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-def resolve(generation_config: Any, prompt_len: int, given: dict[str, Any]) -> tuple[GenerateOptions | None, str | None]:
+def resolve_options(generation_config: Any, prompt_len: int, given: dict[str, Any]) -> tuple[GenerateOptions | None, str | None]:
     """(options, None) or (None, what is wrong); `given` holds the arguments the caller passed (None: not given)."""
     def pick(name: str) -> Any:
         if given.get(name) is not None:
@@ -155,7 +155,7 @@ def prompt_problem(prompt_ids: torch.Tensor, attention_mask: Any, options: Gener
     return None
 
 
-def check(pm: ParallelModel, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+def refuse_on_every_rank(pm: ParallelModel, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
           options: GenerateOptions | None, problem: str | None) -> None:
     """Raise on every rank if any rank's prompt or options are bad, or ranks disagree; else return.
 

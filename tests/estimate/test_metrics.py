@@ -297,7 +297,7 @@ def test_unknown_preset_keys_are_errors(recipe, tmp_path) -> None:
 
 
 def test_markov_data_is_deterministic_per_dp_rank(recipe) -> None:
-    cfg = recipe.DataConfig(branching=2)
+    cfg = recipe.data_setup.DataConfig(branching=2)
     a = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg, dp_size=2)
     b = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg, dp_size=2)
     c = recipe.MarkovTokens(64, 16, 3, dp_rank=1, config=cfg, dp_size=2)
