@@ -127,33 +127,41 @@ def test_top_k_draws_exactly_the_k_best_tokens():
         assert drawn == expected, f"top_k={k}: drew {sorted(drawn)}, the top {k} are {sorted(expected)}"
 
 
-def _refused(case: str) -> None:
+REFUSALS = {
+    "max_new_tokens": "different max_new_tokens or stopping conditions (this rank: max_new_tokens=3",
+    "peer options": "passed different prompts, attention_mask or generation options",
+    "too long": "is above the model's max_position_embeddings=256",
+    "right padding": "padding must be on the left",
+    "sampling option without sampling": "temperature=0.7 shape(s) sampling, but do_sample is False",
+}
+
+
+def _refusals() -> dict[str, str]:
+    """Each bad call on every rank, in turn: every rank must raise (and so stay in step for the next)."""
     model = SPEC.build()
     pm = meshkit.parallelize(model, meshkit.Plan.from_string("tp=2,dp_shard=2"))
     rank = torch.distributed.get_rank()
     ids = torch.randint(3, SPEC.vocab, (2, 6), generator=torch.Generator().manual_seed(pm.dp_rank))
-    if case == "max_new_tokens":
-        pm.generate(ids, max_new_tokens=3 if pm.dp_rank == 1 else 2)  # tp peers agree, data ranks do not
-    elif case == "peer options":
-        pm.generate(ids, max_new_tokens=2, do_sample=True, top_p=0.5 if rank == 1 else 0.9)
-    elif case == "too long":
-        pm.generate(ids, max_new_tokens=model.config.max_position_embeddings - 3)
-    elif case == "right padding":
-        mask = torch.ones_like(ids)
-        mask[0, -2:] = 0
-        pm.generate(ids, max_new_tokens=2, attention_mask=mask)
-    elif case == "sampling option without sampling":
-        pm.generate(ids, max_new_tokens=2, temperature=0.7)
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    calls = {
+        "max_new_tokens": dict(max_new_tokens=3 if pm.dp_rank == 1 else 2),  # tp peers agree, data ranks do not
+        "peer options": dict(max_new_tokens=2, do_sample=True, top_p=0.5 if rank == 1 else 0.9),
+        "too long": dict(max_new_tokens=model.config.max_position_embeddings - 3),
+        "right padding": dict(max_new_tokens=2, attention_mask=right),
+        "sampling option without sampling": dict(max_new_tokens=2, temperature=0.7),
+    }
+    raised = {}
+    for case, kwargs in calls.items():
+        try:
+            pm.generate(ids, **kwargs)
+            raised[case] = "returned"
+        except ValueError as err:
+            raised[case] = str(err)
+    return raised
 
 
-@pytest.mark.parametrize("case, message", [
-    ("max_new_tokens", "different max_new_tokens or stopping conditions (this rank: max_new_tokens=3"),
-    ("peer options", "passed different prompts, attention_mask or generation options"),
-    ("too long", "is above the model's max_position_embeddings=256"),
-    ("right padding", "padding must be on the left"),
-    ("sampling option without sampling", "temperature=0.7 shape(s) sampling, but do_sample is False"),
-])
-def test_bad_or_disagreeing_generation_options_raise_on_every_rank(dist, case, message):
-    for o in dist(4).run_raw(_refused, case, timeout=60.0):
-        assert not o.ok and o.exc_type == "ValueError", f"{case}, rank {o.rank}: {o.exc_type}: {o.message}"
-        assert message in o.message, f"{case}, rank {o.rank}: {o.message}"
+def test_bad_or_disagreeing_generation_options_raise_on_every_rank(dist):
+    for rank, raised in enumerate(dist(4).run(_refusals, timeout=120.0)):
+        for case, message in REFUSALS.items():
+            assert message in raised[case], f"{case}, rank {rank}: {raised[case]}"
