@@ -286,17 +286,12 @@ class ParallelModel:
                  stop_strings: str | list[str] | None = None, tokenizer=None, seed: int = 0) -> torch.Tensor:
         """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
 
-        Options mean what they mean in HF's `generate`, and default as there: an argument left None
-        takes the model's `generation_config` (its eos and pad ids, a chat model's sampling defaults),
-        then HF's default (greedy; max_length 20). Greedy decoding is token for token HF's on the
-        single-device model: finished rows are padded with the pad id (default the first eos),
-        decoding stops when every row has emitted an eos or completed one of `stop_strings` (read
-        with `tokenizer`), `repetition_penalty` applies as HF applies it, and left-padded prompts of
-        different lengths come with their `attention_mask`. `do_sample=True` draws from the logits
-        shaped by temperature, top_k and top_p (HF's order), reproducibly for a given `seed`. A KV
-        cache is used under every plan except cp > 1. Collective: every rank calls it with the same
-        max_new_tokens and stopping conditions (tp/cp/pp peers with identical prompts and options),
-        or every rank raises; see `meshkit.inference.generate`.
+        Options mean and default what they do in HF's `generate` (None: the model's generation_config,
+        then HF's default), and greedy decoding is token for token HF's on the single-device model:
+        eos/pad, left-padded prompts with their `attention_mask`, `repetition_penalty`, `stop_strings`
+        (read with `tokenizer`); `do_sample=True` draws reproducibly for a `seed`. Collective: ranks
+        agree on max_new_tokens and stopping conditions (tp/cp/pp peers on everything) or all raise.
+        See `meshkit.inference.generate`.
         """
         return generate.generate(self, prompt_ids, attention_mask=attention_mask, tokenizer=tokenizer,
                                  max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
