@@ -31,12 +31,13 @@ def test_check_lists_every_problem_and_exits_2(tmp_path, capsys):
     vocab_too_big = write_store(tmp_path / "store", [np.array([700, 5, 0])], eos_id=0, vocab_size=1000)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    status = train_llama.main(["--config", DEBUG, "--check", "--world", "6", "--no-synthetic",
+    status = train_llama.main(["--config", DEBUG, "--check", "--world", "6", "--no-synthetic", "--lr", "-1",
                                "--weights", f'{{"{vocab_too_big.path}" = 1, "{tmp_path}/missing" = 1}}',
                                "--save-every", "5", "--save-dir", str(blocker / "ckpt")])
     err = capsys.readouterr().err
     assert status == 2, err
-    for expected in ("[plan]",                                     # tp=2 x dp_shard=2 x dp_replicate=2 on 6
+    for expected in ("[train] lr=-1.0: must be > 0",
+                     "[plan]",                                     # tp=2 x dp_shard=2 x dp_replicate=2 on 6
                      f"token store '{tmp_path}/missing': no manifest.json",
                      "has a vocabulary of 1000 tokens, the model's embedding 256 rows",
                      "save_dir=", "is not writable"):
