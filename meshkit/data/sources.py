@@ -44,11 +44,11 @@ def _text_value(value: Any, where: str) -> str:
     return value
 
 
-# Memory bounds of tokenizing: the tokenizer holds ~170 bytes per character of what one call encodes
-# (offsets, token strings), so a 15 MB single line took 2.5 GB. A longer text is encoded in pieces,
-# and one call encodes at most CALL_CHARS characters.
+# Memory bounds of tokenizing: the tokenizer holds hundreds of bytes per token of what one call
+# encodes (offsets, token strings), so a 15 MB single line took 2.5 GB. A longer text is encoded in
+# pieces, and one call encodes at most CALL_CHARS characters (at most that many tokens: ~150 MB).
 PIECE_CHARS = 1 << 18
-CALL_CHARS = 1 << 20
+CALL_CHARS = 1 << 18
 # Where a long text is cut: before a space or tab that follows a non-space, or before a newline that
 # follows a letter or digit. Byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, Qwen's, `prepare`'s
 # own) never join characters across these points and read no context behind them, so the pieces'
@@ -82,19 +82,21 @@ def _encode_text(tokenizer: Any, values: Sequence[str]) -> list[Encoded]:
     """Each value's tokens, encoded piecewise in calls of at most CALL_CHARS characters."""
     split = [pieces(v) for v in values]
     flat = [p for ps in split for p in ps]
-    ids: list[list[int]] = []
+    ids: list[list[int] | np.ndarray] = []
     call: list[str] = []
     size = 0
     for piece in flat + [None]:
         if piece is None or (call and size + len(piece) > CALL_CHARS):
-            ids.extend(tokenizer(call, add_special_tokens=False)["input_ids"] if call else [])
+            encoded = tokenizer(call, add_special_tokens=False)["input_ids"] if call else []
+            # A piece's ids as int64 at once: Python ints cost 8-36 bytes each for the whole document.
+            ids.extend(np.asarray(row, dtype=np.int64) if len(flat) > len(split) else row for row in encoded)
             call, size = [], 0
         if piece is not None:
             call.append(piece)
             size += len(piece)
     out, i = [], 0
     for ps in split:
-        row = np.concatenate([np.asarray(part, dtype=np.int64) for part in ids[i:i + len(ps)]]) if len(ps) > 1 else ids[i]
+        row = np.concatenate(ids[i:i + len(ps)]) if len(ps) > 1 else ids[i]
         out.append((row, None))
         i += len(ps)
     return out
