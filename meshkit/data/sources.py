@@ -45,9 +45,10 @@ def _text_value(value: Any, where: str) -> str:
 
 
 # Memory bounds of tokenizing: the tokenizer holds hundreds of bytes per token of what one call
-# encodes (offsets, token strings), so a 15 MB single line took 2.5 GB. A longer text is encoded in
-# pieces, and one call encodes at most CALL_CHARS characters (at most that many tokens: ~150 MB).
-PIECE_CHARS = 1 << 18
+# encodes (offsets, token strings), and BPE on one long word grows faster than its length (a
+# 256k-character word without a space: 535 MB; 64k: 130 MB), so a 15 MB single line took 2.5 GB.
+# A longer text is encoded in pieces of at most PIECE_CHARS, one call at most CALL_CHARS characters.
+PIECE_CHARS = 1 << 16
 CALL_CHARS = 1 << 18
 # Where a long text is cut: before a space or tab that follows a non-space, or before a newline that
 # follows a letter or digit. Byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, Qwen's, `prepare`'s

@@ -200,10 +200,14 @@ def test_a_val_fraction_the_documents_cannot_give_is_refused_before_tokenizing(t
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.slow  # tokenizes 15 MB: about two minutes on a loaded 2-core machine
-def test_a_15_mb_line_is_prepared_in_bounded_memory(tmp_path, tokenizer_dir):
-    """The reproduction: one 15 MB line took 2.5 GB of RSS; now the pieces bound it (imports included)."""
-    (tmp_path / "line.txt").write_text(_text(15_000_000).replace("\n", " "))
+@pytest.mark.slow  # tokenizes 15 MB: minutes on a loaded 2-core machine
+@pytest.mark.parametrize("spaces", [True, False], ids=["words", "no-spaces"])
+def test_a_15_mb_line_is_prepared_in_bounded_memory(tmp_path, tokenizer_dir, spaces):
+    """The reproduction: one 15 MB line took 2.5 GB of RSS; now the pieces bound it (imports included),
+    for a line of words and for one without a single space (cut hard)."""
+    line = _text(15_000_000).replace("\n", " ") if spaces else \
+        "".join(random.Random(0).choice("abcdefghij0123456789") for _ in range(15_000_000))
+    (tmp_path / "line.txt").write_text(line)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "meshkit.data", "prepare", str(tmp_path / "line.txt"),
                              "--output", str(tmp_path / "s"), "--tokenizer", str(tokenizer_dir), "--quiet"],
