@@ -214,6 +214,13 @@ def stage_chunks(name: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]
     return tuple(range(pp * stages_per_rank(name, virtual_stages)))
 
 
+def first_pipeline(name: str, pp: int, virtual_stages: int = 1) -> range:
+    """The stages one microbatch of the first pipeline passes through, in order: every stage, except
+    under DualPipe (the down pipeline's p stages; the up pipeline runs the same chunks in reverse)."""
+    stages = pp * stages_per_rank(name, virtual_stages)
+    return range(stages // 2 if name == bidirectional.NAME else stages)
+
+
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1, *, costs: Costs | None = None,
                    memory_limit: int | None = None) -> Schedule:
     """The schedule a Plan names (`pp_schedule`), with its microbatch and virtual-stage counts.
@@ -251,6 +258,7 @@ __all__: Sequence[str] = (
     "compute_only",
     "dualpipe",
     "dualpipe_v",
+    "first_pipeline",
     "forward_only",
     "gpipe",
     "interleaved_1f1b",
