@@ -65,6 +65,11 @@ def dualpipe(pp: int, microbatches: int) -> Schedule:
     problem = dualpipe_problem(pp, m)
     if problem:
         raise ValueError(problem)
+    return unchecked(pp, m)
+
+
+def unchecked(pp: int, m: int) -> Schedule:
+    """`dualpipe` without the size rules (even pp and m assumed): what the rules are proved against."""
     half_ranks, half = pp // 2, m // 2
     folded = [dualpipe_v_order(half_ranks, half, h) for h in range(half_ranks)]
     ranks = []
@@ -77,4 +82,4 @@ def dualpipe(pp: int, microbatches: int) -> Schedule:
     return with_communication(Schedule(tuple(ranks), 2 * pp, m, NAME, pipelines=2))
 
 
-__all__ = ["NAME", "dualpipe", "dualpipe_problem", "min_microbatches", "stage_chunks"]
+__all__ = ["NAME", "dualpipe", "dualpipe_problem", "min_microbatches", "stage_chunks", "unchecked"]
