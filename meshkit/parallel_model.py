@@ -33,7 +33,12 @@ from meshkit.step import loss as loss_lib
 from meshkit.step.aux import AuxLosses
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import copies_summed_per_call, mirror_summed_per_call, summed_in_place, summed_per_call
+from meshkit.step.grad_sync import (
+    copies_summed_per_call,
+    mirror_summed_per_call,
+    summed_in_place,
+    summed_per_call,
+)
 from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
 from meshkit.zero import stages as zero_stages
 from meshkit.zero.fused import FusedOptimizer

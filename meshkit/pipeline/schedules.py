@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
+from meshkit.pipeline import auto, bidirectional
 from meshkit.pipeline.actions import (
     COMPUTE_KINDS,
     Action,
@@ -28,7 +29,6 @@ from meshkit.pipeline.actions import (
     schedule_sizes,
     with_communication,
 )
-from meshkit.pipeline import auto, bidirectional
 from meshkit.pipeline.bidirectional import dualpipe
 from meshkit.pipeline.simulate import Costs
 from meshkit.pipeline.v_shape import V_SCHEDULES, dualpipe_v, v_placement, zb_v

@@ -114,7 +114,7 @@ def mirror_summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGr
         dist.all_reduce(flat, group=group)
         pieces = flat[: sum(sizes)].split(sizes)
         present = flat[sum(sizes):].tolist()
-        for p, g, piece, flag in zip(params, locals_, pieces, present):
+        for p, piece, flag in zip(params, pieces, present):
             if flag == 0:
                 continue
             if p.grad is None:

@@ -22,11 +22,25 @@ from tests_support import assert_matches_reference
 from torch import nn
 
 import meshkit
-from meshkit.pipeline.actions import ActionKind, Action, Schedule, ScheduleError, compute_only, forward_only, \
-    parse_schedule, with_communication
+from meshkit.pipeline.actions import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    compute_only,
+    forward_only,
+    parse_schedule,
+    with_communication,
+)
 from meshkit.pipeline.bidirectional import dualpipe, min_microbatches, unchecked
 from meshkit.pipeline.runtime import TensorMeta, run_schedule
-from meshkit.pipeline.schedules import build_schedule, dualpipe_v, stage_chunks, stage_placement, splits_backward
+from meshkit.pipeline.schedules import (
+    build_schedule,
+    dualpipe_v,
+    splits_backward,
+    stage_chunks,
+    stage_placement,
+)
 from meshkit.pipeline.simulate import Costs, check, render_png, simulate
 from meshkit.testing.reference import BatchSpec, ModelSpec, compare_training
 
