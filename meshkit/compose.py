@@ -21,22 +21,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
-from meshkit._compat import align_group_timeouts
+from meshkit._compat.collectives import align_group_timeouts
 from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel.hf import ContextParallelAttention
+from meshkit.data_parallel.fsdp import apply_data_parallel
 from meshkit.expert_parallel import MoE, apply_expert_parallel
-from meshkit.inference import refuse_hf_forward
+from meshkit.inference.forward import refuse_hf_forward
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
-from meshkit.pipeline.schedules import splits_backward, stage_chunks, stage_placement
-from meshkit.plan import Plan, PlanError
-from meshkit.tensor_parallel import apply_tensor_parallel
-from meshkit.zero.offload import offload_policy
+from meshkit.pipeline.schedules import stage_chunks, stage_placement
+from meshkit.plan import DTYPES, Plan, PlanError
+from meshkit.tensor_parallel.path import runs_on_local_shards
+from meshkit.tensor_parallel.styles import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
@@ -49,34 +49,19 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     plan, mesh = _validate(model, plan, mesh)
     llama.use_meshkit_attention(model)
     split = _apply_pipeline_split(model, plan, mesh)
-    parts, held = split.parts, split.held_blocks
-    if plan.tp > 1:
-        apply_tensor_parallel(parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
-                              loss_parallel=plan.loss_parallel, local=_tp_on_local_shards(plan))
-    moes = llama.moe_modules(parts)
-    held_moes = [parts.blocks[i].mlp for i in held if llama.has_moe(parts.blocks[i])]
-    expert_fsdp_mesh = _apply_expert_parallel(plan, mesh, moes) if moes else None
-    context_parallel = _context_parallel_attention(plan, mesh) if plan.cp > 1 else None
-    blocks = list(parts.blocks)
-    for i, block in zip(held, apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)):
-        blocks[i] = block
-        if plan.compile:
-            block.compile()
-    stages = build_stages(parts, blocks, split.ranges, split.stage_ids, context_parallel, split.chunks)
-    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate,
-                                        plan.param_dtype) or plan.offload != "none"
-    if use_fsdp:
-        data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
-                                           tied=parts.tied, param_dtype=plan.param_dtype,
-                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard,
-                                           offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
-        data_parallel.skip_embedding_regather(stages.values())
-    tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
+    _apply_tensor_parallel(split, plan, mesh)
+    expert_mesh = _apply_expert_parallel(split, plan, mesh)
+    context_parallel = _context_parallel_attention(plan, mesh)
+    blocks = _apply_activation_checkpointing(split, plan)
+    _apply_compile(blocks, split.held_blocks, plan)
+    stages = build_stages(split.parts, blocks, split.ranges, split.stage_ids, context_parallel, split.chunks)
+    use_fsdp = apply_data_parallel(stages, _held_moes(split), plan, mesh, expert_mesh, tied=split.parts.tied)
     refuse_hf_forward(model)
     align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
-                                                    tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,
+                                                    tp_summed_params=_tp_summed_params(split, plan),
+                                                    tied_aliases=split.tied_aliases,
                                                     tied_group=split.tied_group, mirror_group=split.mirror_group))
 
 
@@ -99,7 +84,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     parts = llama.parts(model)
     problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
-    problems += roles.model_problems(parts.blocks, model.config, plan.tp)
+    problems += roles.structure_problems(parts.blocks, model.config, plan.tp)
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:
@@ -152,12 +137,35 @@ def _apply_pipeline_split(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> _Pi
                           mirror)
 
 
-def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> DeviceMesh:
-    """Shard experts over ep (folded into dp_shard x cp); return the mesh FSDP shards experts over.
+def _held_moes(split: _PipelineSplit) -> list[MoE]:
+    """The MoE layers of the blocks this rank's stages hold."""
+    return [split.parts.blocks[i].mlp for i in split.held_blocks if llama.has_moe(split.parts.blocks[i])]
+
+
+def _apply_tensor_parallel(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) -> None:
+    """Shard every block over tp (plain blocks on local shards where the plan allows it)."""
+    if plan.tp > 1:
+        apply_tensor_parallel(split.parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
+                              loss_parallel=plan.loss_parallel, local=runs_on_local_shards(plan))
+
+
+def _tp_summed_params(split: _PipelineSplit, plan: Plan) -> tuple[nn.Parameter, ...]:
+    """The parameters TP leaves whole on every tp rank whose gradients meshkit sums over tp itself:
+    the MoE layers' router, experts and shared expert (each tp rank routes its own sequence shard).
+    Read once FSDP has wrapped them: `fully_shard` replaces a module's parameter objects."""
+    return tuple(p for moe in _held_moes(split) for p in moe.parameters()) if plan.tp > 1 else ()
+
+
+def _apply_expert_parallel(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) -> DeviceMesh | None:
+    """Shard experts over ep (folded into dp_shard x cp); return the mesh FSDP shards experts over
+    (None for a dense model).
 
     Balancing statistics are summed over every rank that splits the batch's tokens (`dp_cp_tp`), and
     each microbatch's aux loss is a whole batch's worth, so the step's is their mean.
     """
+    moes = llama.moe_modules(split.parts)
+    if not moes:
+        return None
     ep_mesh, outer = mesh_lib.expert_axes(mesh, plan.ep)
     load_group = mesh_lib.axis(mesh, "dp_cp_tp").get_group()
     for moe in moes:
@@ -166,22 +174,31 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> Dev
     return mesh_lib.expert_fsdp_mesh(mesh, outer)
 
 
-def _tp_on_local_shards(plan: Plan) -> bool:
-    """Whether plain TP blocks run on local shards (`tensor_parallel_local`): not under torch.compile
-    (dynamo would trace the parameter swap) nor under schedules that split B from W (ZB's deferred
-    weight gradients wrap plain `nn.Linear` forwards, which the local path replaces)."""
-    if plan.compile:
-        return False
-    return plan.pp == 1 or not splits_backward(plan.pp_schedule)
-
-
-def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
+def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention | None:
     """How every attention layer splits its sequence over the cp axis (USP, and the all-gather kind with
-    cp_ulysses > 1: a Ulysses x outer grid). dK/dV travel in the plan's reduce dtype."""
-    grad_dtype = data_parallel.DTYPES[plan.reduce_dtype]
+    cp_ulysses > 1: a Ulysses x outer grid), or None without cp. dK/dV travel in the plan's reduce dtype."""
+    if plan.cp == 1:
+        return None
+    grad_dtype = DTYPES[plan.reduce_dtype]
     if plan.cp_attention == "usp" or (plan.cp_attention == "allgather" and plan.cp_ulysses > 1):
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
         return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
                                         ring_group=ring_group, grad_dtype=grad_dtype)
     return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype,
                                     keep_kv=plan.cp_keep_kv)
+
+
+def _apply_activation_checkpointing(split: _PipelineSplit, plan: Plan) -> list[nn.Module]:
+    """Every decoder block, the held ones wrapped for the plan's activation checkpointing mode."""
+    blocks = list(split.parts.blocks)
+    held = split.held_blocks
+    for i, block in zip(held, apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)):
+        blocks[i] = block
+    return blocks
+
+
+def _apply_compile(blocks: list[nn.Module], held: list[int], plan: Plan) -> None:
+    """torch.compile each held (checkpointed) block in place, when the plan asks for it."""
+    if plan.compile:
+        for i in held:
+            blocks[i].compile()

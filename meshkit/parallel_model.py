@@ -17,20 +17,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshkit import generation, inference
 from meshkit.data.loader import PackedLoader, check_fits_model
 from meshkit.data.store import TokenStore
-from meshkit.data_parallel import DTYPES, reshard_fsdp
+from meshkit.data_parallel import zero_stages
+from meshkit.data_parallel.fsdp import reshard_fsdp
+from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.expert_parallel import update_expert_biases
+from meshkit.inference import forward, generate
 from meshkit.mesh import axis
-from meshkit.pipeline import costs as pipeline_costs
+from meshkit.pipeline.costs import PlanSchedules
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
-from meshkit.pipeline.schedules import build_schedule, forward_only
-from meshkit.plan import Plan
+from meshkit.plan import DTYPES, Plan
 from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
-from meshkit.step.aux import AuxLosses
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.step.grad_sync import (
@@ -39,9 +39,8 @@ from meshkit.step.grad_sync import (
     summed_in_place,
     summed_per_call,
 )
-from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
-from meshkit.zero import stages as zero_stages
-from meshkit.zero.fused import FusedOptimizer
+from meshkit.step.router_aux import AuxLosses
+from meshkit.tensor_parallel.styles import dtensor_params, loss_context, place_grads_like_params
 
 
 @dataclass(frozen=True)
@@ -69,11 +68,7 @@ class ParallelModel:
         self.device = sharded.device
         self._stages = stages
         self._pp = axis(mesh, "pp")
-        self._schedule = self._eval_schedule = None
-        if plan.pp > 1:
-            self._set_schedule(pipeline_costs.given(plan.pp_costs) if plan.pp_costs else None)
-        # zb_auto without given costs: the first training call is the profiling run (`pipeline.costs`).
-        self._profile = plan.pp > 1 and plan.pp_schedule == "zb_auto" and not plan.pp_costs
+        self._schedules = PlanSchedules(plan) if plan.pp > 1 else None  # zb_auto may rebuild after measuring
         self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
@@ -94,10 +89,9 @@ class ParallelModel:
         self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
         # DualPipe: the mirror pp rank holds the same layers; their gradients are summed over the pair (one
         # all-reduce, parameters in name order) and the norm counts the down pipeline's copy only.
-        self._mirror_group = sharded.mirror_group
-        self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held] \
-            if self._mirror_group is not None else []
+        self._mirror_group, self._mirror_params = sharded.mirror_group, []
         if self._mirror_group is not None:
+            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held]
             self._not_in_norm |= {id(p) for s, part in stages.items() if s >= plan.pp for p in part.parameters()}
         # Router auxiliary terms (meshkit MoE coefficients, HF's output_router_logits): weights and values.
         self._aux = AuxLosses(model, self.model_parts, mesh, plan.microbatches)
@@ -111,6 +105,18 @@ class ParallelModel:
     def tied_aliases(self) -> dict[str, str]:
         """{head name: embedding name} when pipelining split a tied embedding into two copies, else {}."""
         return dict(self._aliases)
+
+    @property
+    def sums_grads_after_backward(self) -> bool:
+        """Whether meshkit itself sums some gradients once backward has returned (MoE weights every TP
+        rank holds whole, over tp; a tied embedding's two pipeline copies): those are not final inside
+        backward, which an optimizer fused into backward needs."""
+        return bool(self._tp_summed_params or self._aliases)
+
+    def attach_fused_optimizer(self, fused: FusedOptimizer) -> None:
+        """Tell the step that `fused` steps parameters inside backward (accumulation windows and
+        clipping are refused under it; its deferred steps run at the end of each call)."""
+        self._fused = fused
 
     # ---------------------------------------------------------------- data
     @property
@@ -185,14 +191,14 @@ class ParallelModel:
         batch: token cross-entropies summed over all data ranks divided by `loss_denominator`, which
         defaults to this call's global valid-token count, plus the router auxiliary terms of MoE
         models (HF's `router_aux_loss_coef` term with `output_router_logits`, meshkit MoE layers'
-        `aux_loss_coef`/`z_loss_coef`), weighted as they enter the gradients (`meshkit.step.aux`): for
+        `aux_loss_coef`/`z_loss_coef`), weighted as they enter the gradients (`meshkit.step.router_aux`): for
         HF MoE models this is HF's own `loss`. `parts=True` returns `LossParts(loss, ce, aux)`, the two
         terms apart (aux 0 for a model without any). Labels are unshifted (HF convention, -100
         ignored). `position_ids` that restart at 0 mark packed documents (block-diagonal attention).
 
         Under gradient accumulation pass `last_microbatch=False` to every call of a window but its
         last: with `Plan(grad_sync="last_microbatch")` gradients then stay local until that call, and
-        ZeRO-1/2 keep the gathered parameters for the next call (docs/memory.md).
+        ZeRO-1/2 keep the gathered parameters for the next call (docs/data_parallel.md).
         """
         if not isinstance(last_microbatch, bool):
             raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
@@ -211,8 +217,8 @@ class ParallelModel:
                 summed_per_call(self._tied_params, self._tied_group), \
                 copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
                 loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            if self._schedule is not None:
-                share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)
+            if self._schedules is not None:
+                share = self._pipeline_step(self._schedules.train, batch, denominator, last_microbatch)
             else:
                 share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
             if self._reduce_tp_grads:
@@ -253,8 +259,8 @@ class ParallelModel:
         self._aux.begin(1.0, measure=True)
         hf_aux = None
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            if self._eval_schedule is not None:
-                share = self._pipeline_step(self._eval_schedule, batch, denominator)
+            if self._schedules is not None:
+                share = self._pipeline_step(self._schedules.evaluate, batch, denominator)
             else:
                 (stage,) = self.model_parts
                 logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
@@ -280,9 +286,9 @@ class ParallelModel:
         gathered in token order; under pp the last stage's logits are broadcast to every pipeline
         rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
         tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
-        Collective over the whole mesh: every rank calls it. See `meshkit.inference`.
+        Collective over the whole mesh: every rank calls it. See `meshkit.inference.forward`.
         """
-        return inference.forward(self, input_ids, position_ids, gather=gather)
+        return forward.forward(self, input_ids, position_ids, gather=gather)
 
     def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
@@ -294,9 +300,9 @@ class ParallelModel:
         default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
         samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
         used under every plan except cp > 1, where each step recomputes the whole sequence. Every
-        rank calls it with the same `max_new_tokens`; see `meshkit.generation`.
+        rank calls it with the same `max_new_tokens`; see `meshkit.inference.generate`.
         """
-        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        return generate.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
 
     def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
@@ -317,28 +323,17 @@ class ParallelModel:
         shapes = TensorMeta((rows_total // m, seq // sp, self.model.config.hidden_size), dtype)
         kwargs = [{"position_ids": per_row(batch.position_ids, r), "doc_ids": per_row(batch.doc_ids, r)}
                   for r in rows]
-        profile = self._profile and not schedule.forward_only
-        trace = [] if profile else None
+        trace = self._schedules.trace_for(schedule)
         losses = run_schedule(schedule, self._stages, pp_group=self._pp.get_group(),
                               microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
                               shapes=shapes, stage_kwargs=kwargs, device=self.device,
                               reduce_grads=zero_stages.syncs_now(self.plan.grad_sync, last_microbatch),
                               reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch), trace=trace)
-        if profile:  # zb_auto's profiling run: every rank agrees on the measured costs, then rebuilds
-            local = pipeline_costs.local_times(trace, schedule.num_stages)
-            local.append(pipeline_costs.p2p_time(self._pp.get_group(), shapes, self.device))
-            self._set_schedule(pipeline_costs.agree(local, schedule.num_stages, self.device))
-            self._profile = False
+        if trace is not None:  # zb_auto's profiling run: every rank agrees on the measured costs, then rebuilds
+            self._schedules.measured(trace, self._pp.get_group(), shapes, self.device)
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(t.full_tensor() if isinstance(t, DTensor) else t for t in losses)
-
-    def _set_schedule(self, costs) -> None:
-        """Build the plan's schedule (zb_auto: at `costs`, None = unit costs) and its forward-only part."""
-        plan = self.plan
-        self._schedule = build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages,
-                                        costs=costs, memory_limit=plan.pp_memory_limit)
-        self._eval_schedule = forward_only(self._schedule)
 
     def _global_loss(self, share: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's share of the loss (each already divided by the global denominator)."""
@@ -377,7 +372,7 @@ class ParallelModel:
         if self._fused is not None:
             raise ValueError(f"{what}: the optimizer is fused into backward (meshkit.fuse_optimizer_into_backward), "
                              "so every gradient was consumed before a global norm could exist; the fused path does "
-                             "not clip (docs/memory.md); fix: train unfused to clip")
+                             "not clip (docs/data_parallel.md); fix: train unfused to clip")
         if self._window_open:
             raise ValueError(f"{what}: the last forward_backward passed last_microbatch=False, so its window's "
                              "gradients may not be reduced yet; fix: pass last_microbatch=True to the window's "
@@ -402,7 +397,7 @@ class ParallelModel:
 
     def save_checkpoint(self, path, optimizer, **kwargs) -> None:
         """Save model, optimizer, scheduler, step and RNG with torch.distributed.checkpoint under HF names;
-        see `meshkit.checkpoint.save` (every rank calls it)."""
+        see `meshkit.state.checkpoint.save` (every rank calls it)."""
         checkpoint.save(path, self, optimizer, **kwargs)
 
     def load_checkpoint(self, path, optimizer, **kwargs) -> dict:

@@ -19,14 +19,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from meshkit.pipeline.actions import Action, ActionKind
+from meshkit.pipeline.actions import Action, ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import TraceEvent
+from meshkit.pipeline.schedules import build_schedule, forward_only
 from meshkit.pipeline.simulate import Costs
+
+if TYPE_CHECKING:
+    from meshkit.plan import Plan
 
 K = ActionKind
 _KINDS = (K.F, K.B, K.W)
@@ -103,4 +108,36 @@ def agree(local: Sequence[float], num_stages: int, device: torch.device) -> Stag
     return StageTable(1, 1, 1, p2p, table=table)
 
 
-__all__ = ["PING_ROUNDS", "StageTable", "agree", "given", "local_times", "p2p_time"]
+class PlanSchedules:
+    """The schedule a pipelined Plan trains with, and its forward-only part for evaluation.
+
+    zb_auto without `pp_costs` starts from its unit-cost schedule; the first training call asks for a
+    trace (`trace_for`) and hands it back (`measured`), which agrees on the costs over the world and
+    rebuilds both schedules from them."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.profiling = plan.pp_schedule == "zb_auto" and not plan.pp_costs
+        self._build(given(plan.pp_costs) if plan.pp_costs else None)
+
+    def _build(self, costs: Costs | None) -> None:
+        plan = self.plan
+        self.train = build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages,
+                                    costs=costs, memory_limit=plan.pp_memory_limit)
+        self.evaluate = forward_only(self.train)
+
+    def trace_for(self, schedule: Schedule) -> list[TraceEvent] | None:
+        """A list for `run_schedule(trace=...)` when this call of `schedule` is the profiling run, else None."""
+        return [] if self.profiling and not schedule.forward_only else None
+
+    def measured(self, trace: list[TraceEvent], pp_group: dist.ProcessGroup, meta: TensorMeta,
+                 device: torch.device) -> None:
+        """After the profiling run: time a transfer, agree on every rank's numbers, rebuild (collective
+        over the world)."""
+        local = local_times(trace, self.train.num_stages)
+        local.append(p2p_time(pp_group, meta, device))
+        self._build(agree(local, self.train.num_stages, device))
+        self.profiling = False
+
+
+__all__ = ["PING_ROUNDS", "PlanSchedules", "StageTable", "agree", "given", "local_times", "p2p_time"]

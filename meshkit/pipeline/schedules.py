@@ -6,7 +6,7 @@ limit, in `auto`). Several stages per rank: interleaved 1F1B (stage s on rank s 
 V-shaped ZB-V and DualPipeV (stage s and 2p-1-s on one rank, in `v_shape`) and DualPipe (two
 pipelines in opposite directions, each chunk of layers on two ranks, in `bidirectional`).
 `build_schedule` is the one entry point a Plan uses; `stage_placement`, `stage_chunks` and
-`splits_backward` answer from the name alone what the model splitter and the TP path need first.
+`splits_weight_grad` answer from the name alone what the model splitter and the TP path need first.
 """
 
 from __future__ import annotations
@@ -180,14 +180,14 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedul
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.NAME, auto.NAME)
 #: Schedules with two stages per rank whatever `virtual_stages` says (the V's, DualPipe's two directions).
 TWO_STAGES = (*V_SCHEDULES, bidirectional.NAME)
-#: Schedules whose backward is split into B and W on every rank (every size): they need the deferred
-#: weight gradients of `weight_grad`, which wrap plain `nn.Linear` forwards.
-SPLIT_BACKWARD = frozenset({"zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.NAME, auto.NAME})
+# The schedules that split a backward into B (input gradient) and a deferred W (weight gradient).
+WEIGHT_GRAD_SPLIT = ("zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.NAME, auto.NAME)
 
 
-def splits_backward(name: str) -> bool:
-    """Whether schedule `name` has W actions (B/W split), known from the name without building it."""
-    return name in SPLIT_BACKWARD
+def splits_weight_grad(name: str) -> bool:
+    """Whether schedule `name` defers weight gradients (W actions), known from its name alone so that
+    parallelize can choose a layer implementation before any schedule is built."""
+    return name in WEIGHT_GRAD_SPLIT
 
 
 def stages_per_rank(name: str, virtual_stages: int = 1) -> int:
@@ -249,7 +249,6 @@ __all__: Sequence[str] = (
     "ActionKind",
     "COMPUTE_KINDS",
     "SCHEDULES",
-    "SPLIT_BACKWARD",
     "Schedule",
     "ScheduleError",
     "TWO_STAGES",
@@ -265,7 +264,7 @@ __all__: Sequence[str] = (
     "one_f_one_b",
     "parse_action",
     "parse_schedule",
-    "splits_backward",
+    "splits_weight_grad",
     "stage_chunks",
     "stage_placement",
     "stages_per_rank",

@@ -37,7 +37,7 @@ from meshkit.pipeline.runtime import TensorMeta, run_schedule
 from meshkit.pipeline.schedules import (
     build_schedule,
     dualpipe_v,
-    splits_backward,
+    splits_weight_grad,
     stage_chunks,
     stage_placement,
 )
@@ -79,7 +79,7 @@ def test_dualpipe_is_valid_placed_and_mirrored(size):
     assert with_communication(compute_only(schedule)) == schedule
     assert parse_schedule(str(schedule), 2 * p, m, "dualpipe", pipelines=2) == schedule
     check(forward_only(schedule))
-    assert splits_backward("dualpipe") and any(a.kind is K.W for a in schedule.ranks[0])
+    assert splits_weight_grad("dualpipe") and any(a.kind is K.W for a in schedule.ranks[0])
 
 
 def test_the_smallest_microbatch_count_is_the_one_the_order_needs():

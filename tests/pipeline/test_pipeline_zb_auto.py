@@ -26,7 +26,7 @@ from meshkit.pipeline.schedules import (
     Action,
     ActionKind,
     build_schedule,
-    splits_backward,
+    splits_weight_grad,
     zb_auto,
     zb_h1,
     zb_h2,
@@ -104,7 +104,7 @@ def test_bad_limits_name_the_field_and_the_smallest_valid_value():
         meshkit.Plan(pp=2, pp_schedule="zb_auto", pp_costs="1/0/1")
     plan = meshkit.Plan.from_string("pp=2,pp_schedule=zb_auto,pp_memory_limit=1,pp_costs=1/2/1/0.25")
     assert plan.pp_costs == (1.0, 2.0, 1.0, 0.25) and meshkit.Plan.from_string(plan.to_string()) == plan
-    assert splits_backward("zb_auto")
+    assert splits_weight_grad("zb_auto")
 
 
 def test_costs_from_a_trace_and_from_the_plan():
@@ -135,7 +135,7 @@ def _schedule_after_profiling(plan: str) -> str:
     ids, labels = BatchSpec(batch=4, seq=8).make(spec.vocab)
     rows = slice(pm.dp_rank * 4 // pm.dp_size, (pm.dp_rank + 1) * 4 // pm.dp_size)
     pm.forward_backward(ids[rows], labels[rows])
-    return f"{pm._schedule}\n--\n{pm._schedule.name!r}"
+    return f"{pm._schedules.train}\n--\n{pm._schedules.train.name!r}"
 
 
 def _agree_on_rank() -> tuple:

@@ -22,7 +22,14 @@ from meshkit.estimate import search as plan_search
 from meshkit.estimate.offload import ADAMW_HOST_BYTES, offload_cost
 from meshkit.estimate.report import render
 from meshkit.plan import Plan
-from tests.memory.estimate_mesh import BATCH, SEQ, after_one_step, coordinates, local_bytes, model_config
+from tests.data_parallel.estimate_mesh import (
+    BATCH,
+    SEQ,
+    after_one_step,
+    coordinates,
+    local_bytes,
+    model_config,
+)
 
 CALLS = 2
 RUNS = [

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import meshkit
 from meshkit.testing.reference import BatchSpec, ModelSpec
-from tests.memory.windows import assert_windows_match, train_windows
+from tests.data_parallel.windows import assert_windows_match, train_windows
 
 MOE = ModelSpec(experts=4, intermediate=16)
 

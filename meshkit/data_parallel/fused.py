@@ -14,7 +14,7 @@ alternative, a first backward that only measures the norm, doubles the backward 
 windows are refused for the same reason: a gradient is final only at the window's last call.
 
 Checkpoints: `FusedOptimizer` exposes `param_groups`, `state` and `step()` as a torch optimizer does,
-which is all `meshkit.checkpoint` reads, so a fused run saves and resumes like any other.
+which is all `meshkit.state.checkpoint` reads, so a fused run saves and resumes like any other.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshkit._compat import fsdp_after_unit_reduce
+from meshkit._compat.fsdp import fsdp_after_unit_reduce
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
@@ -38,7 +38,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 class _FusedState(Mapping):
     """The per-parameter optimizers' states read as one `optimizer.state` (parameter -> its state dict),
-    so that code written for a torch optimizer (meshkit.checkpoint) reads and fills them unchanged."""
+    so that code written for a torch optimizer (meshkit.state.checkpoint) reads and fills them unchanged."""
 
     def __init__(self, optimizers: dict[nn.Parameter, torch.optim.Optimizer]):
         self._optimizers = optimizers
@@ -67,7 +67,7 @@ class FusedOptimizer:
 
     It reads like a torch optimizer where checkpointing needs one: `param_groups` (every per-parameter
     optimizer's group, the real dicts), `state` (parameter -> state) and `step()`, so
-    `meshkit.checkpoint.save(path, pm, fused)` / `load` keep the per-parameter state under DCP.
+    `meshkit.state.checkpoint.save(path, pm, fused)` / `load` keep the per-parameter state under DCP.
     """
 
     def __init__(self, optimizers: dict[nn.Parameter, torch.optim.Optimizer]):
@@ -86,7 +86,7 @@ class FusedOptimizer:
 
     def step(self) -> None:
         """Step every parameter that holds a gradient, outside backward (what `Optimizer.step` does);
-        `meshkit.checkpoint.load` uses it with zero gradients and lr 0 to create the state it fills."""
+        `meshkit.state.checkpoint.load` uses it with zero gradients and lr 0 to create the state it fills."""
         for p, opt in self.optimizers.items():
             if p.grad is not None:
                 opt.step()
@@ -144,7 +144,7 @@ def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: Optimizer
         raise ValueError(f"fuse_optimizer_into_backward: {type(probe).__name__} needs the whole gradient (its step "
                          "re-evaluates the loss through a closure), which a step per parameter inside backward never "
                          "has; fix: use it unfused, or an elementwise optimizer such as SGD or AdamW")
-    if pm._tp_summed_params or pm.tied_aliases:
+    if pm.sums_grads_after_backward:
         raise ValueError("fuse_optimizer_into_backward: this model has gradients meshkit sums after backward (MoE "
                          "weights every TP rank holds, or a tied embedding split by pipelining), so they are not "
                          "final inside backward; fix: use the optimizer unfused, or tp=1 / untied embeddings")
@@ -155,5 +155,5 @@ def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: Optimizer
     if not units and pm.plan.pp == 1:
         for p in params:
             p.register_post_accumulate_grad_hook(fused._after_accumulate)
-    pm._fused = fused
+    pm.attach_fused_optimizer(fused)
     return fused

@@ -29,13 +29,13 @@ from torch.distributed.tensor.parallel import (
 
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
-from meshkit.tensor_parallel_local import (
+from meshkit.tensor_parallel.local import (
     apply_head_params,
     apply_local_block,
     apply_local_norm,
     block_runs_local,
 )
-from meshkit.tensor_parallel_rows import apply_selected_rows
+from meshkit.tensor_parallel.rows import apply_selected_rows
 
 
 def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, object]:
@@ -113,7 +113,7 @@ def apply_tensor_parallel(
     Between blocks the residual stream is a plain local tensor: sequence-sharded [B, S/tp, H] with SP,
     replicated [B, S, H] without. The logits come out as a DTensor sharded on the vocabulary when
     `loss_parallel`, else as a replicated plain tensor. With `local` (off under torch.compile), plain
-    blocks and the final norm run on their local shards (`tensor_parallel_local`: same parameters,
+    blocks and the final norm run on their local shards (`tensor_parallel.local`: same parameters,
     bytes and numerics, a fraction of the DTensor dispatch work).
     """
     seq = Shard(1) if sequence_parallel else Replicate()

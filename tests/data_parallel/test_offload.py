@@ -9,7 +9,7 @@ import pytest
 
 import meshkit
 from meshkit.testing.reference import ModelSpec
-from tests.memory.windows import assert_windows_match, train_windows
+from tests.data_parallel.windows import assert_windows_match, train_windows
 
 
 def offload_run(plan: str) -> tuple[list[str], dict, str]:

@@ -11,22 +11,39 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from meshkit._compat import fsdp_sum_gradients
+from meshkit import mesh as mesh_lib
+from meshkit._compat.fsdp import fsdp_sum_gradients
 from meshkit.activation_checkpoint import hide_hooks_from_selective_checkpoint
+from meshkit.data_parallel.offload import offload_policy
 from meshkit.local_tensor import local_tensor
+from meshkit.plan import DTYPES, Plan
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def needs_fsdp(plan: Plan, mesh: DeviceMesh) -> bool:
+    """FSDP is applied when weights are shared by several ranks, to cast them (mixed precision), or to
+    keep them in host memory (offload)."""
+    shared = mesh_lib.axis_size(mesh, "dp_shard_cp") * plan.dp_replicate > 1
+    return shared or plan.param_dtype != "float32" or plan.offload != "none"
 
 
-def needs_fsdp(dp_shard_cp: int, dp_replicate: int, param_dtype: str) -> bool:
-    """FSDP is applied when weights are shared by several ranks, or to cast them (mixed precision)."""
-    return dp_shard_cp * dp_replicate > 1 or param_dtype != "float32"
+def apply_data_parallel(stages: dict[int, nn.Module], expert_layers: list[nn.Module], plan: Plan, mesh: DeviceMesh,
+                        expert_mesh: DeviceMesh | None, *, tied: bool) -> bool:
+    """FSDP2 (or HSDP) units over dp_shard x cp for this rank's stages and MoE experts, when the plan
+    needs FSDP at all; returns whether it did. The ZeRO stage is not chosen here: it is how
+    `zero_stages` drives these same units per `forward_backward` call."""
+    if not needs_fsdp(plan, mesh):
+        return False
+    apply_fsdp_to_stages(stages.values(), expert_layers, mesh_lib.fsdp_mesh(mesh), expert_mesh, tied=tied,
+                         param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                         reshard_after_forward=plan.fsdp_reshard,
+                         offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
+    skip_embedding_regather(stages.values())
+    return True
 
 
 def expert_shard_dim(local_shape: tuple[int, ...], shards: int) -> int:
@@ -67,7 +84,7 @@ def apply_fsdp(
 
     The last unit is never resharded after forward: backward needs it first, so resharding would
     only add an all-gather. `shard_placement_fn` picks a parameter's shard dim (FSDP2's default is 0).
-    `offload_policy` places the shards in host memory (`meshkit.zero.offload`).
+    `offload_policy` places the shards in host memory (`meshkit.data_parallel.offload`).
     """
     # FSDP2 warns on every forward that a unit returned a view (TP's to_local makes one), because an
     # in-place op on it would skip the pre-backward hook. meshkit's stages never modify unit outputs

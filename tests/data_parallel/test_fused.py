@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import meshkit
+from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.testing.reference import ADAM_EPS, BatchSpec, ModelSpec
-from meshkit.zero.fused import FusedOptimizer
 from tests.tests_support import LOSS_TOL, PARAM_TOL
 
 OPTIMIZERS = {
@@ -138,13 +138,13 @@ def fused_resume(root: str, plan: str, other: str) -> dict:
     the uninterrupted one."""
     pm, fused = _fused_model(plan)
     _train(pm, range(2))
-    path = meshkit.checkpoint.save(f"{root}/step-2", pm, fused, step=2)
+    path = meshkit.state.checkpoint.save(f"{root}/step-2", pm, fused, step=2)
     straight = _train(pm, range(2, 4))
     final = pm.full_state_dict()
     out = {}
     for resume in (plan, other):
         pm, fused = _fused_model(resume)
-        info = meshkit.checkpoint.load(path, pm, fused)
+        info = meshkit.state.checkpoint.load(path, pm, fused)
         losses = _train(pm, range(2, 4))
         state = pm.full_state_dict()
         out[resume] = {"step": info["step"], "loss": max(abs(a - b) for a, b in zip(losses, straight)),

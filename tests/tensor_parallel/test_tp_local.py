@@ -1,4 +1,4 @@
-"""TP blocks on local shards (meshkit.tensor_parallel_local) against the DTensor ParallelStyles they
+"""TP blocks on local shards (meshkit.tensor_parallel.local) against the DTensor ParallelStyles they
 replace: the same loss, the same gradient for every parameter and the same collectives, byte for byte
 (with and without sequence parallelism). Both sides are also checked against the single-device model
 by the property tests in test_parallelize.py; this file pins that the fast path changed nothing but
@@ -15,10 +15,11 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshkit
-from meshkit import compose, tensor_parallel
+from meshkit import compose
 from meshkit.comm_counter import CommCounter
 from meshkit.models import roles as roles_lib
-from meshkit.tensor_parallel_local import block_runs_local
+from meshkit.tensor_parallel import styles
+from meshkit.tensor_parallel.local import block_runs_local
 
 
 def _config() -> LlamaConfig:
@@ -29,7 +30,7 @@ def _config() -> LlamaConfig:
 def _step(plan: meshkit.Plan, local: bool):
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config())
-    original = tensor_parallel.apply_tensor_parallel
+    original = styles.apply_tensor_parallel
 
     def styles_only(*args, **kwargs):
         return original(*args, **{**kwargs, "local": False})

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import meshkit
-from meshkit._compat import dispatch_mode_base
+from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit.mesh import axis
 from meshkit.testing.reference import BatchSpec, ModelSpec
 

@@ -4,7 +4,7 @@ parameters after two optimizer steps of two-call windows).
 
 On this GPU-less machine FSDP2's offload path still runs (unpinned copies, the optimizer step on the
 host tensors), so its numerics are checked here; what it saves is a GPU matter. The README's memory
-matrix names these plans (tests/memory/test_memory_matrix.py keeps it true).
+matrix names these plans (tests/data_parallel/test_memory_matrix.py keeps it true).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from meshkit.testing.reference import ModelSpec
-from tests.memory.windows import assert_windows_match, train_windows
+from tests.data_parallel.windows import assert_windows_match, train_windows
 from tests.tests_support import LOSS_TOL, PARAM_TOL
 
 DENSE = ModelSpec()

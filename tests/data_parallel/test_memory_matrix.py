@@ -1,11 +1,11 @@
 """The README's memory-options matrix stays true for `offload`: a column says "tested" exactly when
-tests/memory/test_offload_axes.py runs offload under that axis (FSDP alone: tests/memory/test_offload.py)."""
+tests/data_parallel/test_offload_axes.py runs offload under that axis (FSDP alone: tests/data_parallel/test_offload.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.memory.test_offload_axes import OFFLOAD_PLANS
+from tests.data_parallel.test_offload_axes import OFFLOAD_PLANS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from meshkit._compat import fsdp_post_backward
+from meshkit._compat.fsdp import fsdp_post_backward
 
 
 def fsdp_roots(modules: Iterable[nn.Module]) -> list[nn.Module]:

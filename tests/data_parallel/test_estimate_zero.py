@@ -12,12 +12,20 @@ import pytest
 import torch
 
 from meshkit import estimate as est
-from meshkit._compat import fsdp_unsharded_tensors, storage_key, storage_nbytes
+from meshkit._compat.dispatch import storage_key, storage_nbytes
+from meshkit._compat.fsdp import fsdp_unsharded_tensors
 from meshkit.comm_counter import CommCounter
+from meshkit.data_parallel.zero_stages import fsdp_roots
 from meshkit.estimate.zero import meshkit_formula, paper_model_states, zero_memory
 from meshkit.plan import Plan
-from meshkit.zero.stages import fsdp_roots
-from tests.memory.estimate_mesh import BATCH, SEQ, after_one_step, coordinates, local_bytes, model_config
+from tests.data_parallel.estimate_mesh import (
+    BATCH,
+    SEQ,
+    after_one_step,
+    coordinates,
+    local_bytes,
+    model_config,
+)
 
 # Every stage and policy, over plain FSDP, TP + FSDP in bf16 with fp32 reduction, and pipelining.
 RUNS = [

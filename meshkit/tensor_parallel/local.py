@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from meshkit._compat import all_gather_single, functional_reduce_scatter
+from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp"})
 

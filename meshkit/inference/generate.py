@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from meshkit import inference
 from meshkit.context_parallel import sharding as cp_sharding
-from meshkit.data_parallel import reshard_fsdp
+from meshkit.data_parallel.fsdp import reshard_fsdp
+from meshkit.inference import forward
 from meshkit.mesh import axis
 
 if TYPE_CHECKING:
@@ -85,9 +85,9 @@ def choose(logits_BV: torch.Tensor, temperature: float, top_k: int | None, gener
     return (scores + gumbel.to(scores.device, scores.dtype)).argmax(-1)
 
 
-def _last_logits(pm: ParallelModel, inputs: inference.StageInputs, last: int, out) -> torch.Tensor | None:
+def _last_logits(pm: ParallelModel, inputs: forward.StageInputs, last: int, out) -> torch.Tensor | None:
     """Full-vocabulary logits [B, V] of position `last` (of the padded sequence) on the last stage."""
-    local = inference.local_logits(out)
+    local = forward.local_logits(out)
     plan = pm.plan
     if plan.cp > 1:
         # One cp rank holds the position; the others contribute zeros to a sum over cp.
@@ -98,7 +98,7 @@ def _last_logits(pm: ParallelModel, inputs: inference.StageInputs, last: int, ou
         dist.all_reduce(picked, group=axis(pm.mesh, "cp").get_group())
     else:
         picked = local[:, last].contiguous()
-    if inference.vocab_sharded(pm):
+    if forward.vocab_sharded(pm):
         parts = [torch.empty_like(picked) for _ in range(plan.tp)]
         dist.all_gather(parts, picked, group=axis(pm.mesh, "tp").get_group())
         picked = torch.cat(parts, dim=-1)
@@ -113,9 +113,9 @@ def generate(pm: ParallelModel, prompt_ids: torch.Tensor, *, max_new_tokens: int
     vocab = pm.model.config.vocab_size
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    problem = (inference.ids_problem(prompt_ids, None, pm.model.config, "prompt_ids")
+    problem = (forward.ids_problem(prompt_ids, None, pm.model.config, "prompt_ids")
                or _options_problem(max_new_tokens, temperature, top_k, eos, pad, vocab))
-    inference.check_inputs(pm, prompt_ids, problem)
+    forward.check_inputs(pm, prompt_ids, problem)
     plan = pm.plan
     tokens = prompt_ids.to(pm.device, torch.int64)
     batch = tokens.shape[0]
@@ -128,13 +128,13 @@ def generate(pm: ParallelModel, prompt_ids: torch.Tensor, *, max_new_tokens: int
     for _ in range(max_new_tokens):
         if eos and _everyone_finished(pm, unfinished):
             break
-        inputs = inference.stage_inputs(pm, new, None, past=past)
-        out = inference.run_stages(pm, inputs, cache)
+        inputs = forward.stage_inputs(pm, new, None, past=past)
+        out = forward.run_stages(pm, inputs, cache)
         last = new.shape[1] - 1
         chosen = None
         if out is not None:
             chosen = choose(_last_logits(pm, inputs, last, out), temperature, top_k, generator).float()
-        chosen = inference.to_every_pp_rank(pm, chosen, (batch,)).long()
+        chosen = forward.to_every_pp_rank(pm, chosen, (batch,)).long()
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
         if bool(unfinished.any()):
             length = tokens.shape[1] + 1

@@ -29,12 +29,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from meshkit.context_parallel import sharding as cp_sharding
-from meshkit.data_parallel import DTYPES, reshard_fsdp
+from meshkit.data_parallel.fsdp import reshard_fsdp
 from meshkit.local_tensor import local_tensor
 from meshkit.mesh import axis
 from meshkit.models import llama
 from meshkit.pipeline.p2p import wire_tensor
 from meshkit.pipeline.schedules import first_pipeline, stage_placement
+from meshkit.plan import DTYPES
 from meshkit.step.batch import peer_agreement_problem
 from meshkit.step.consensus import raise_if_any
 
