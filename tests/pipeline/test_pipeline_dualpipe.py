@@ -219,7 +219,7 @@ def _runtime_worker(m: int) -> tuple[list[float], list[torch.Tensor]]:
     return losses, grads
 
 
-@pytest.mark.parametrize("p, m", [(2, 4), pytest.param(4, 6, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 6)])
 def test_runtime_copies_sum_to_the_single_process_gradient(dist, p, m):
     """Half the microbatches run down, half up; each rank's copies hold partial gradients whose sum over
     the mirror pair is the single process's (the sum `parallelize` makes with one all-reduce)."""
@@ -252,16 +252,13 @@ def _compare(plan: str, model: ModelSpec, batch: BatchSpec) -> dict:
 
 
 MOE = ModelSpec(layers=4, experts=4, top_k=2, intermediate=16, bias_update_rate=0.01)
-CASES = [
+CASES = [  # CI runs the first two (tests/ci_subset.py names what covers the others' paths there)
     ("pp=2,dp_shard=2,pp_schedule=dualpipe,pp_microbatches=4", 4, ModelSpec(tied=True, layers=4)),
     ("pp=4,pp_schedule=dualpipe,pp_microbatches=6,activation_checkpointing=full", 4, ModelSpec(tied=True, layers=6)),
-    pytest.param("pp=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4", 4,
-                 ModelSpec(tied=True, layers=4, kind="qwen3"), marks=pytest.mark.slow),
-    pytest.param("pp=2,cp=2,pp_schedule=dualpipe,pp_microbatches=2,activation_checkpointing=selective", 4,
-                 ModelSpec(layers=4), marks=pytest.mark.slow),
-    pytest.param("pp=2,dp_shard=2,ep=2,pp_schedule=dualpipe,pp_microbatches=4", 4, MOE, marks=pytest.mark.slow),
-    pytest.param("pp=2,dp_shard=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4", 8,
-                 ModelSpec(layers=3, heads=4, kv_heads=2), marks=pytest.mark.slow),
+    ("pp=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4", 4, ModelSpec(tied=True, layers=4, kind="qwen3")),
+    ("pp=2,cp=2,pp_schedule=dualpipe,pp_microbatches=2,activation_checkpointing=selective", 4, ModelSpec(layers=4)),
+    ("pp=2,dp_shard=2,ep=2,pp_schedule=dualpipe,pp_microbatches=4", 4, MOE),
+    ("pp=2,dp_shard=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4", 8, ModelSpec(layers=3, heads=4, kv_heads=2)),
 ]
 
 

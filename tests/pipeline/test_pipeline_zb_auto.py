@@ -169,10 +169,9 @@ def test_every_rank_builds_the_same_schedule_from_the_measured_costs(dist):
     "plan, world, model",
     [
         ("pp=2,dp_shard=2,pp_schedule=zb_auto,pp_microbatches=4,pp_memory_limit=3", 4, ModelSpec(tied=True, layers=4)),
-        pytest.param("pp=4,pp_schedule=zb_auto,pp_microbatches=8,pp_costs=1/2/1/0.1", 4, ModelSpec(layers=6),
-                     marks=pytest.mark.slow),
-        pytest.param("pp=2,tp=2,pp_schedule=zb_auto,pp_microbatches=4,activation_checkpointing=full", 4,
-                     ModelSpec(layers=4, kind="qwen3"), marks=pytest.mark.slow),
+        ("pp=4,pp_schedule=zb_auto,pp_microbatches=8,pp_costs=1/2/1/0.1", 4, ModelSpec(layers=6)),
+        ("pp=2,tp=2,pp_schedule=zb_auto,pp_microbatches=4,activation_checkpointing=full", 4,
+         ModelSpec(layers=4, kind="qwen3")),
     ],
 )
 def test_zb_auto_matches_one_device(dist, plan, world, model):
