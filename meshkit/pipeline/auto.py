@@ -16,9 +16,11 @@ from the measured F, B, W and P2P times and a memory limit with a heuristic (and
   next skip its forward when it would delay its next B.
 - drain: the remaining Ws.
 
-Every combination of the three knobs is timed by `simulate.simulate` (exact, with the P2P latency)
-and the fastest schedule whose peak stays within the limit is kept (ties: the lower peak, then the
-knobs' order). The memory limit counts microbatches whose activations a rank holds, from F until W,
+Every combination of the three knobs, plus a timed greedy list scheduling under the same limit
+(`list_schedule`, at these costs and at unit costs), is timed exactly in the simulator's execution
+model (`step_time`, in integer ticks, with the P2P latency), and the fastest schedule whose peak stays
+within the limit is kept (ties: the lower peak, then the candidates' order); `schedules.zb_auto` adds
+ZB-H1 and ZB-H2 where they fit. The memory limit counts microbatches whose activations a rank holds, from F until W,
 as `SimulationResult.peak_activations` does; it must be at least 1 (one microbatch at a time: the
 rank waits for each backward before the next forward). The paper's exact ILP is not implemented: it
 needs a MILP solver, and none is a dependency of meshkit.
@@ -27,11 +29,12 @@ needs a MILP solver, and none is a dependency of meshkit.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from fractions import Fraction
 
-from meshkit.pipeline.actions import Action, ActionKind, Schedule, with_communication
-from meshkit.pipeline.simulate import Costs, SimulationResult, simulate
+from meshkit.pipeline.actions import Action, ActionKind, Schedule, compute_only, with_communication
+from meshkit.pipeline.simulate import Costs, check
 
 NAME = "zb_auto"
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
@@ -49,35 +52,44 @@ def memory_limit_problem(limit: int | None) -> str | None:
     return None
 
 
+def ticks(pp: int, costs: Costs) -> tuple[list[dict[ActionKind, int]], int]:
+    """Each stage's F, B and W time and the P2P latency as integers (all scaled by one common factor):
+    exact, and an order of magnitude faster than Fractions in the builders' inner loops. The costs are
+    read per (kind, stage), from microbatch 0."""
+    times = [{k: Fraction(costs.duration(Action(k, s, 0))) for k in (F, B, W)} for s in range(pp)]
+    scale = math.lcm(Fraction(costs.p2p_latency).denominator, *(t.denominator for d in times for t in d.values()))
+    return [{k: int(t * scale) for k, t in d.items()} for d in times], int(costs.p2p_latency * scale)
+
+
 class _Builder:
     """One run of the heuristic for one setting of the knobs: per-rank orders and their end times."""
 
     def __init__(self, pp: int, m: int, costs: Costs, limit: int, knobs: tuple[bool, bool, bool]):
-        self.pp, self.m, self.costs, self.limit = pp, m, costs, limit
+        self.pp, self.m, self.limit = pp, m, limit
         self.late_forward, self.skip_forward, self.fill_partial = knobs
-        self.latency = costs.p2p_latency
-        self.end = [Fraction(0)] * pp  # when each rank is next free
-        self.done: dict[tuple[ActionKind, int, int], Fraction] = {}
+        self.times, self.latency = ticks(pp, costs)
+        self.end = [0] * pp  # when each rank is next free
+        self.done: dict[tuple[ActionKind, int, int], int] = {}
         self.forwards, self.backwards = [0] * pp, [0] * pp
         self.pending: list[deque[int]] = [deque() for _ in range(pp)]
-        self.idle = [Fraction(0)] * pp
+        self.idle = [0] * pp
         self.orders: list[list[Action]] = [[] for _ in range(pp)]
 
-    def cost(self, kind: ActionKind, r: int, mb: int) -> Fraction:
-        return Fraction(self.costs.duration(Action(kind, r, mb)))
+    def cost(self, kind: ActionKind, r: int, mb: int) -> int:
+        return self.times[r][kind]
 
     def held(self, r: int) -> int:
         return self.forwards[r] - (self.backwards[r] - len(self.pending[r]))
 
-    def ready(self, kind: ActionKind, r: int, mb: int) -> Fraction | None:
+    def ready(self, kind: ActionKind, r: int, mb: int) -> int | None:
         """When the input of (kind, r, mb) is there, or None if its producer is not placed yet."""
         if kind is F:
-            return Fraction(0) if r == 0 else self._arrival((F, r - 1, mb))
+            return 0 if r == 0 else self._arrival((F, r - 1, mb))
         if kind is B:
             return self.done.get((F, r, mb)) if r == self.pp - 1 else self._arrival((B, r + 1, mb))
         return self.done.get((B, r, mb))
 
-    def _arrival(self, key: tuple[ActionKind, int, int]) -> Fraction | None:
+    def _arrival(self, key: tuple[ActionKind, int, int]) -> int | None:
         end = self.done.get(key)
         return None if end is None else end + self.latency
 
@@ -114,7 +126,7 @@ class _Builder:
         for r in range(pp):
             self.put(F, r)
         extra = [0] * pp
-        b_arrives = Fraction(0)
+        b_arrives = 0
         for r in reversed(range(pp)):
             if r == pp - 1:
                 b_arrives = self.done[(F, r, 0)] + self.cost(B, r, 0)
@@ -187,21 +199,21 @@ def list_schedule(pp: int, m: int, costs: Costs, cap: int) -> tuple[tuple[Action
     measured costs it is the greedy counterpart of the phase-by-phase heuristic, which it beats when
     one stage is much slower than the others (it lets every rank run ahead as far as memory allows).
     """
-    free = [Fraction(0)] * pp
-    finished: dict[tuple[ActionKind, int, int], Fraction] = {}
+    times, latency = ticks(pp, costs)
+    free = [0] * pp
+    finished: dict[tuple[ActionKind, int, int], int] = {}
     next_f, next_b, held = [0] * pp, [0] * pp, [0] * pp
     pending_w: list[deque[int]] = [deque() for _ in range(pp)]
     orders: list[list[Action]] = [[] for _ in range(pp)]
-    latency = costs.p2p_latency
 
-    def arrival(key: tuple[ActionKind, int, int], hop: bool) -> Fraction | None:
+    def arrival(key: tuple[ActionKind, int, int], hop: bool) -> int | None:
         end = finished.get(key)
         return None if end is None else end + (latency if hop else 0)
 
     for _ in range(3 * m * pp):
-        best: tuple[Fraction, int, ActionKind, int] | None = None  # (start, rank, kind, microbatch)
+        best: tuple[int, int, ActionKind, int] | None = None  # (start, rank, kind, microbatch)
         for r in range(pp):
-            ready: list[tuple[Fraction, int, ActionKind, int]] = []  # (start, priority, kind, microbatch)
+            ready: list[tuple[int, int, ActionKind, int]] = []  # (start, priority, kind, microbatch)
             if next_b[r] < next_f[r]:
                 j = next_b[r]
                 after = arrival((F, r, j), False) if r == pp - 1 else arrival((B, r + 1, j), True)
@@ -209,7 +221,7 @@ def list_schedule(pp: int, m: int, costs: Costs, cap: int) -> tuple[tuple[Action
                     ready.append((max(free[r], after), 0, B, j))
             if next_f[r] < m and held[r] < cap:
                 j = next_f[r]
-                after = Fraction(0) if r == 0 else arrival((F, r - 1, j), True)
+                after = 0 if r == 0 else arrival((F, r - 1, j), True)
                 if after is not None:
                     ready.append((max(free[r], after), 1, F, j))
             if pending_w[r]:
@@ -222,7 +234,7 @@ def list_schedule(pp: int, m: int, costs: Costs, cap: int) -> tuple[tuple[Action
         if best is None:  # unreachable: the rank holding the oldest unfinished work can always start it
             raise RuntimeError(f"list scheduling stalled at pp={pp}, microbatches={m}, cap={cap}")
         start, r, kind, j = best
-        free[r] = finished[(kind, r, j)] = start + Fraction(costs.duration(Action(kind, r, j)))
+        free[r] = finished[(kind, r, j)] = start + times[r][kind]
         orders[r].append(Action(kind, r, j))
         if kind is F:
             next_f[r] += 1
@@ -236,13 +248,60 @@ def list_schedule(pp: int, m: int, costs: Costs, cap: int) -> tuple[tuple[Action
     return tuple(map(tuple, orders))
 
 
-def best_of(schedules: list[Schedule], costs: Costs, limit: int) -> SimulationResult:
-    """The fastest of `schedules` within `limit` (ties: the lower peak, then the first), simulated exactly."""
-    results = [simulate(Schedule(s.ranks, s.num_stages, s.num_microbatches, NAME), costs) for s in schedules]
-    within = [r for r in results if max(r.peak_activations) <= limit]
-    if not within:  # unreachable: the heuristic frees memory with Ws before every forward
+def step_time(ranks: tuple[tuple[Action, ...], ...], times: list[dict[ActionKind, int]], latency: int) -> int | None:
+    """The step time (in `ticks`) of one-stage-per-rank compute orders, or None if they cannot run: the
+    simulator's execution model (sends at their producer's end, a consumer waits for its input plus the
+    latency), in integers, to rank the candidates fast (`simulate.simulate` checks the chosen one)."""
+    pp, end = len(ranks), {}
+    clock, position = [0] * pp, [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(ranks):
+            while position[r] < len(actions):
+                a = actions[position[r]]
+                if a.kind is F:
+                    needed, hop = (None, False) if r == 0 else ((F, r - 1, a.microbatch), True)
+                elif a.kind is B:
+                    needed, hop = ((F, r, a.microbatch), False) if r == pp - 1 else ((B, r + 1, a.microbatch), True)
+                else:
+                    needed, hop = (B, r, a.microbatch), False
+                if needed is not None and needed not in end:
+                    break
+                ready = 0 if needed is None else end[needed] + (latency if hop else 0)
+                clock[r] = end[(a.kind, r, a.microbatch)] = max(clock[r], ready) + times[r][a.kind]
+                position[r] += 1
+                progress = True
+    return max(clock) if all(p == len(a) for p, a in zip(position, ranks)) else None
+
+
+def peak(actions: tuple[Action, ...]) -> int:
+    """Microbatches one rank holds at most, from F until W (`SimulationResult.peak_activations`)."""
+    held = most = 0
+    for a in actions:
+        held += {F: 1, W: -1}.get(a.kind, 0)
+        most = max(most, held)
+    return most
+
+
+def best_of(schedules: list[Schedule], costs: Costs, limit: int) -> Schedule:
+    """The fastest of `schedules` (one stage per rank) within `limit`, ties to the lower peak and then
+    the first; renamed zb_auto and proved by `simulate.check`."""
+    times, latency = ticks(schedules[0].num_ranks, costs)
+    ranked = []
+    for i, schedule in enumerate(schedules):
+        orders = compute_only(schedule).ranks
+        top = max(peak(actions) for actions in orders)
+        step = step_time(orders, times, latency)
+        if step is not None and top <= limit:
+            ranked.append((step, top, i))
+    if not ranked:  # unreachable: the heuristic frees memory with Ws before every forward
         raise RuntimeError(f"zb_auto: no candidate stays within memory_limit={limit}")
-    return min(within, key=lambda r: (r.step_time, max(r.peak_activations)))
+    best = schedules[min(ranked)[2]]
+    chosen = Schedule(best.ranks, best.num_stages, best.num_microbatches, NAME)
+    check(chosen)
+    return chosen
 
 
-__all__ = ["MIN_MEMORY_LIMIT", "NAME", "best_of", "candidates", "list_schedule", "memory_limit_problem"]
+__all__ = ["MIN_MEMORY_LIMIT", "NAME", "best_of", "candidates", "list_schedule", "memory_limit_problem", "peak",
+           "step_time", "ticks"]

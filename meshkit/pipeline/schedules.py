@@ -124,8 +124,8 @@ def zb_auto(pp: int, microbatches: int, costs: Costs | None = None, memory_limit
     if problem:
         raise ValueError(problem)
     costs = Costs() if costs is None else costs
-    best = auto.best_of([*auto.candidates(pp, m, costs, limit), zb_h1(pp, m), zb_h2(pp, m)], costs, limit)
-    return best.schedule
+    handcrafted = [build(pp, m) for build, held in ((zb_h1, pp), (zb_h2, 2 * pp - 1)) if min(held, m) <= limit]
+    return auto.best_of([*auto.candidates(pp, m, costs, limit), *handcrafted], costs, limit)
 
 
 def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedule:

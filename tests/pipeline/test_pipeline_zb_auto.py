@@ -26,6 +26,7 @@ from meshkit.pipeline.schedules import (
     Action,
     ActionKind,
     build_schedule,
+    compute_only,
     splits_weight_grad,
     zb_auto,
     zb_h1,
@@ -59,6 +60,20 @@ def test_valid_within_its_limit_and_never_slower_than_the_handcrafted_that_fit(c
         timed = simulate(handcrafted, costs)
         if max(timed.peak_activations) <= limit:
             assert result.step_time <= timed.step_time, handcrafted.name
+
+
+@settings(max_examples=15, deadline=None)
+@given(cases())
+def test_candidates_are_ranked_at_the_simulators_times(case):
+    """The fast integer timing that ranks the candidates is the simulator's, tick for tick."""
+    p, m, costs, limit = case
+    times, latency = auto.ticks(p, costs)
+    scale = Fraction(times[0][K.F]) / costs.duration(Action(K.F, 0, 0))
+    for schedule in auto.candidates(p, m, costs, limit):
+        result = simulate(schedule, costs)
+        orders = compute_only(schedule).ranks
+        assert auto.step_time(orders, times, latency) == result.step_time * scale
+        assert tuple(auto.peak(a) for a in orders) == result.peak_activations
 
 
 def test_unit_costs_at_1f1b_memory_give_zb_h1_and_more_memory_gives_zb_h2():
