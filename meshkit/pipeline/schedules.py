@@ -214,11 +214,16 @@ def stage_chunks(name: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]
     return tuple(range(pp * stages_per_rank(name, virtual_stages)))
 
 
+def pipelines(name: str) -> int:
+    """How many chains of stages the schedule runs, each fed its share of the microbatches (DualPipe: 2)."""
+    return 2 if name == bidirectional.NAME else 1
+
+
 def first_pipeline(name: str, pp: int, virtual_stages: int = 1) -> range:
     """The stages one microbatch of the first pipeline passes through, in order: every stage, except
     under DualPipe (the down pipeline's p stages; the up pipeline runs the same chunks in reverse)."""
     stages = pp * stages_per_rank(name, virtual_stages)
-    return range(stages // 2 if name == bidirectional.NAME else stages)
+    return range(stages // pipelines(name))
 
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1, *, costs: Costs | None = None,
@@ -264,6 +269,7 @@ __all__: Sequence[str] = (
     "one_f_one_b",
     "parse_action",
     "parse_schedule",
+    "pipelines",
     "splits_weight_grad",
     "stage_chunks",
     "stage_placement",
