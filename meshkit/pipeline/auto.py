@@ -36,7 +36,7 @@ from fractions import Fraction
 from meshkit.pipeline.actions import Action, ActionKind, Schedule, compute_only, with_communication
 from meshkit.pipeline.simulate import Costs, check
 
-NAME = "zb_auto"
+ZB_AUTO = "zb_auto"
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 MIN_MEMORY_LIMIT = 1
 
@@ -173,7 +173,7 @@ class _Builder:
         for r in range(self.pp):
             while self.pending[r]:
                 self.put(W, r)
-        return Schedule(tuple(map(tuple, self.orders)), self.pp, self.m, NAME)
+        return Schedule(tuple(map(tuple, self.orders)), self.pp, self.m, ZB_AUTO)
 
 
 def candidates(pp: int, m: int, costs: Costs, limit: int) -> list[Schedule]:
@@ -183,7 +183,7 @@ def candidates(pp: int, m: int, costs: Costs, limit: int) -> list[Schedule]:
     out: list[Schedule] = []
     orders = [_Builder(pp, m, costs, limit, knobs).run().ranks for knobs in itertools.product((False, True), repeat=3)]
     for ranks in [*orders, list_schedule(pp, m, costs, limit), list_schedule(pp, m, Costs(), limit)]:
-        schedule = with_communication(Schedule(ranks, pp, m, NAME))
+        schedule = with_communication(Schedule(ranks, pp, m, ZB_AUTO))
         if schedule not in out:
             out.append(schedule)
     return out
@@ -298,10 +298,10 @@ def best_of(schedules: list[Schedule], costs: Costs, limit: int) -> Schedule:
     if not ranked:  # unreachable: the heuristic frees memory with Ws before every forward
         raise RuntimeError(f"zb_auto: no candidate stays within memory_limit={limit}")
     best = schedules[min(ranked)[2]]
-    chosen = Schedule(best.ranks, best.num_stages, best.num_microbatches, NAME)
+    chosen = Schedule(best.ranks, best.num_stages, best.num_microbatches, ZB_AUTO)
     check(chosen)
     return chosen
 
 
-__all__ = ["MIN_MEMORY_LIMIT", "NAME", "best_of", "candidates", "list_schedule", "memory_limit_problem", "peak",
+__all__ = ["MIN_MEMORY_LIMIT", "ZB_AUTO", "best_of", "candidates", "list_schedule", "memory_limit_problem", "peak",
            "step_time", "ticks"]

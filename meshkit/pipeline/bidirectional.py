@@ -11,7 +11,7 @@ hold the gradient of the whole batch and the optimizer steps them identically (`
 
 As data: `Schedule(pipelines=2)` with 2p stages, stage s < p the down pipeline's chunk s on rank s,
 stage p + k the up pipeline's chunk k on rank p-1-k (the V placement's ranks: `v_placement`), and
-microbatches [0, m/2) down, [m/2, m) up. `stage_chunks` says which chunk of layers each stage runs.
+microbatches [0, m/2) down, [m/2, m) up. `mirrored_chunks` says which chunk of layers each stage runs.
 
 Why the order is DualPipeV's ("cut-in-half", Sea AI Lab): fold the ranks at the middle, rank r onto
 rank p-1-r, and each direction's chain of p chunks becomes a V over p/2 ranks. DeepSeek's own
@@ -26,10 +26,10 @@ from __future__ import annotations
 from meshkit.pipeline.actions import Action, Schedule, schedule_sizes, with_communication
 from meshkit.pipeline.v_shape import dualpipe_v_order
 
-NAME = "dualpipe"
+DUALPIPE = "dualpipe"
 
 
-def stage_chunks(pp: int) -> tuple[int, ...]:
+def mirrored_chunks(pp: int) -> tuple[int, ...]:
     """The chunk of layers (of p) each of DualPipe's 2p stages runs: s mod p (each chunk twice)."""
     return tuple(s % pp for s in range(2 * pp))
 
@@ -79,7 +79,7 @@ def unchecked(pp: int, m: int) -> Schedule:
         first, second = (down, up) if r < half_ranks else (up, down)
         where = {h: first, 2 * half_ranks - 1 - h: second}  # the V's down and up stage on rank h
         ranks.append(tuple(Action(a.kind, where[a.stage][0], a.microbatch + where[a.stage][1]) for a in folded[h]))
-    return with_communication(Schedule(tuple(ranks), 2 * pp, m, NAME, pipelines=2))
+    return with_communication(Schedule(tuple(ranks), 2 * pp, m, DUALPIPE, pipelines=2))
 
 
-__all__ = ["NAME", "dualpipe", "dualpipe_problem", "min_microbatches", "stage_chunks", "unchecked"]
+__all__ = ["DUALPIPE", "dualpipe", "dualpipe_problem", "min_microbatches", "mirrored_chunks", "unchecked"]

@@ -177,11 +177,11 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedul
     return with_communication(compute)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.NAME, auto.NAME)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.DUALPIPE, auto.ZB_AUTO)
 #: Schedules with two stages per rank whatever `virtual_stages` says (the V's, DualPipe's two directions).
-TWO_STAGES = (*V_SCHEDULES, bidirectional.NAME)
+TWO_STAGES = (*V_SCHEDULES, bidirectional.DUALPIPE)
 # The schedules that split a backward into B (input gradient) and a deferred W (weight gradient).
-WEIGHT_GRAD_SPLIT = ("zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.NAME, auto.NAME)
+WEIGHT_GRAD_SPLIT = ("zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.DUALPIPE, auto.ZB_AUTO)
 
 
 def splits_weight_grad(name: str) -> bool:
@@ -209,14 +209,14 @@ def stage_placement(name: str, pp: int, virtual_stages: int = 1) -> tuple[int, .
 def stage_chunks(name: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """The chunk of layers every stage runs, the model being cut into `max(chunks) + 1` chunks: each
     stage its own chunk, except under DualPipe, whose two pipelines run the same p chunks (s mod p)."""
-    if name == bidirectional.NAME:
-        return bidirectional.stage_chunks(pp)
+    if name == bidirectional.DUALPIPE:
+        return bidirectional.mirrored_chunks(pp)
     return tuple(range(pp * stages_per_rank(name, virtual_stages)))
 
 
 def pipelines(name: str) -> int:
     """How many chains of stages the schedule runs, each fed its share of the microbatches (DualPipe: 2)."""
-    return 2 if name == bidirectional.NAME else 1
+    return 2 if name == bidirectional.DUALPIPE else 1
 
 
 def first_pipeline(name: str, pp: int, virtual_stages: int = 1) -> range:
@@ -237,7 +237,7 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         return interleaved_1f1b(pp, microbatches, virtual_stages)
     builders: dict[str, Callable[[int, int], Schedule]] = {
         "gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2, "zb_v": zb_v, "dualpipe_v": dualpipe_v,
-        bidirectional.NAME: dualpipe, auto.NAME: lambda p, m: zb_auto(p, m, costs, memory_limit)}
+        bidirectional.DUALPIPE: dualpipe, auto.ZB_AUTO: lambda p, m: zb_auto(p, m, costs, memory_limit)}
     if name not in builders:
         raise ValueError(f"pp_schedule={name!r}: unknown schedule; choose one of {', '.join(SCHEDULES)}")
     allowed = (1, 2) if name in TWO_STAGES else (1,)
