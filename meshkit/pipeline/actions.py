@@ -15,6 +15,10 @@ always a stage that lives on the rank running it, so a communication action name
 
 Sends are non-blocking (isend); a receive blocks until its data arrives, so a runtime must post
 sends without waiting for the peer and wait on a receive just before the compute that consumes it.
+
+A schedule may run several pipelines over the same ranks (`Schedule.pipelines`, DualPipe's two
+directions): then "the next stage" is the next one of the stage's own chain, and a chain's last stage
+ends its microbatches' forward (`Schedule.upstream` / `downstream` / `visits`).
 """
 
 from __future__ import annotations
