@@ -323,8 +323,8 @@ def _validate(schedule, rank, world, stages, microbatch_inputs, loss_fn, shapes,
     firsts = [s for s in mine if schedule.upstream(s) is None]
     if firsts and (microbatch_inputs is None or len(microbatch_inputs) != m):
         got = None if microbatch_inputs is None else len(microbatch_inputs)
-        raise ValueError(f"run_schedule: microbatch_inputs has {got} entries; a first stage ({firsts[0]}) needs "
-                         f"one per microbatch ({m}; each pipeline's stage reads its own microbatches')")
+        raise ValueError(f"run_schedule: microbatch_inputs has {got} entries; a first stage (stage {firsts[0]} "
+                         f"here) needs one per microbatch of the schedule ({m}), indexed by microbatch")
     if any(schedule.downstream(s) is None for s in mine) and loss_fn is None:
         raise ValueError("run_schedule: a last stage lives on this rank, so loss_fn is required")
     if stage_kwargs is not None and len(stage_kwargs) != m:
