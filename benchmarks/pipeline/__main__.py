@@ -230,7 +230,8 @@ def auto_section(args: argparse.Namespace) -> list[str]:
     limits = (args.pp, 2 * args.pp - 2)
     plans = measured_costs.plans(args.pp, args.microbatches, costs, limits)
     results = run_ranks(measured_costs.sleep_on_rank, args.pp, dict(spec, plans=plans), timeout=WORLD_TIMEOUT_S)
-    return ["## 6. zb_auto at costs measured on this machine", "",
+    png = measured_costs.draw(plans, Path(args.out), args.pp, args.microbatches)
+    return ["## 6. zb_auto at costs measured on this machine", "", f"zb_auto's timeline at these costs: {png}", "",
             f"pp={args.pp}, m={args.microbatches}. Costs: the HF stages of section 3 timed by the runtime's trace "
             f"({args.hf_reps} traced steps of ZB-H1's order for the {args.pp}-stage split, of ZB-V's for its "
             f"{2 * args.pp} stages, normal priority), medians per stage; P2P from a ping of one boundary activation. "

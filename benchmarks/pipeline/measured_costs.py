@@ -22,6 +22,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from meshkit.pipeline import costs as pipeline_costs
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import Schedule, build_schedule, stage_chunks, stage_placement
-from meshkit.pipeline.simulate import simulate
+from meshkit.pipeline.simulate import render_png, simulate
 
 MS = 1000.0
 #: The orders whose traces time each split's stages: one stage per rank, and the V's 2pp stages.
@@ -106,6 +107,14 @@ def plans(pp: int, m: int, per_rank: list[dict[str, Any]], limits: Sequence[int]
     return rows
 
 
+def draw(rows: list[dict[str, Any]], out: Path, pp: int, m: int) -> Path:
+    """The first plan's (zb_auto at the first limit) simulated timeline at the measured costs, as a PNG."""
+    row = rows[0]
+    out.mkdir(parents=True, exist_ok=True)
+    return render_png(simulate(row["schedule"], row["costs"]), out / f"pipeline_zb_auto_pp{pp}_m{m}_measured.png",
+                      seconds_per_unit=1 / MS)
+
+
 def sleep_on_rank(spec: dict) -> dict[str, Any]:
     """One rank: every plan on sleep stages sleeping its stages' measured costs, traced, interleaved."""
     with ranks.scheduling(spec.get("priority", "normal")):
@@ -157,4 +166,4 @@ def table_lines(pp: int, m: int, per_rank: list[dict[str, Any]], rows: list[dict
                           f"step / {auto}'s, simulated", "measured (paired)"], out)
 
 
-__all__ = ["SPLITS", "hf_costs_on_rank", "plans", "sleep_on_rank", "stage_costs", "table_lines"]
+__all__ = ["SPLITS", "draw", "hf_costs_on_rank", "plans", "sleep_on_rank", "stage_costs", "table_lines"]
