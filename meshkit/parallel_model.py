@@ -290,20 +290,25 @@ class ParallelModel:
         """
         return forward.forward(self, input_ids, position_ids, gather=gather)
 
-    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
-                 seed: int = 0) -> torch.Tensor:
+    def generate(self, prompt_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 stop_strings: str | list[str] | None = None, tokenizer=None, seed: int = 0) -> torch.Tensor:
         """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
 
-        temperature 0 is greedy, token for token what HF's `generate(do_sample=False)` gives on the
-        single-device model (same eos/pad handling: finished rows are padded with `pad_token_id`,
-        default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
-        samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
-        used under every plan except cp > 1, where each step recomputes the whole sequence. Every
-        rank calls it with the same `max_new_tokens`; see `meshkit.inference.generate`.
+        Options mean and default what they do in HF's `generate` (None: the model's generation_config,
+        then HF's default), and greedy decoding is token for token HF's on the single-device model:
+        eos/pad, left-padded prompts with their `attention_mask`, `repetition_penalty`, `stop_strings`
+        (read with `tokenizer`); `do_sample=True` draws reproducibly for a `seed`. Collective: ranks
+        agree on max_new_tokens and stopping conditions (tp/cp/pp peers on everything) or all raise.
+        See `meshkit.inference.generate`.
         """
-        return generate.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+        return generate.generate(self, prompt_ids, attention_mask=attention_mask, tokenizer=tokenizer,
+                                 max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings,
+                                 seed=seed)
 
     def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
                        last_microbatch: bool = True) -> torch.Tensor:
@@ -408,9 +413,11 @@ class ParallelModel:
         """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
         hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, **kwargs) -> None:
-        """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it)."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, **kwargs)
+    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+        """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
+        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
+        Only rank 0 assembles the full state and writes; every rank calls it."""
+        hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
