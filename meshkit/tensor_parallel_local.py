@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshkit._compat import all_gather_single, functional_reduce_scatter
+from meshkit.tensor_parallel_lora import linear_base, linear_shards
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp"})
 
@@ -141,7 +142,7 @@ def block_runs_local(roles: dict[str, str], block: nn.Module) -> bool:
         return False
     modules = dict(block.named_modules())
     for name, role in roles.items():
-        module = modules[name]
+        module = linear_base(modules[name])  # a LoRA layer is judged by the linear it wraps
         if role in ("colwise", "kv_colwise", "rowwise") and not isinstance(module, nn.Linear):
             return False
         if role == "rowwise" and module.bias is not None:
@@ -189,13 +190,13 @@ def apply_local_block(block: nn.Module, roles: dict[str, str], mesh: DeviceMesh,
     leave = reduce_scatter_sequence if sequence_parallel else all_reduce_partial
     for name, role in roles.items():
         module = modules[name]
-        if role in ("colwise", "kv_colwise"):
-            _distribute(module, mesh, lambda _: Shard(0))
-            _run_on_local_params(module, None)
-        elif role == "rowwise":
-            _distribute(module, mesh, lambda _: Shard(1))
-            _run_on_local_params(module, None)
-            module.register_forward_hook(lambda m, args, out: leave(out, mesh))
+        if role in ("colwise", "kv_colwise", "rowwise"):
+            # a plain linear, or a LoRA layer's base, A and B (`tensor_parallel_lora`), each on its shard
+            for linear, placement, grads in linear_shards(module, role):
+                _distribute(linear, mesh, lambda _, p=placement: p)
+                _run_on_local_params(linear, grads)
+            if role == "rowwise":
+                module.register_forward_hook(lambda m, args, out: leave(out, mesh))
         elif role == "seq_norm" and sequence_parallel:
             _distribute(module, mesh, lambda _: Replicate())
             _run_on_local_params(module, (Partial(),))
