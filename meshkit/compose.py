@@ -121,6 +121,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
     problems += roles.model_problems(parts.blocks, model.config, plan.tp)
+    problems += peft_model.tp_problems(model, plan.tp) if peft_model.is_peft_model(model) else []
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:

@@ -22,6 +22,8 @@ from meshkit.data.loader import PackedLoader, check_fits_model
 from meshkit.data.store import TokenStore
 from meshkit.data_parallel import DTYPES, reshard_fsdp
 from meshkit.expert_parallel import update_expert_biases
+from meshkit.integrations.peft import export as peft_export
+from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
@@ -373,12 +375,21 @@ class ParallelModel:
         return checkpoint.load(path, self, optimizer, **kwargs)
 
     def load_hf_checkpoint(self, directory, strict: bool = True) -> None:
-        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
-        hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
+        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds.
+        A LoRA model takes its base model's directory or a PEFT adapter directory (`peft.export`)."""
+        lora = peft_model.is_peft_model(self.model)
+        (peft_export.load if lora else hf_checkpoint.load_hf_checkpoint)(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, **kwargs) -> None:
-        """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it)."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, **kwargs)
+    def save_hf_checkpoint(self, directory, *, merge: bool = False, **kwargs) -> None:
+        """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it). A LoRA model
+        writes its adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        if peft_model.is_peft_model(self.model):
+            peft_export.save(self, directory, merge=merge, **kwargs)
+        elif merge:
+            raise ValueError("save_hf_checkpoint: merge=True merges a LoRA adapter and this model has none; fix: "
+                             "merge=False")
+        else:
+            hf_checkpoint.save_hf_checkpoint(self, directory, **kwargs)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.

@@ -30,13 +30,13 @@ from torch.distributed.tensor.parallel import (
 from meshkit.integrations.peft.layers import is_lora_layer
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
-from meshkit.tensor_parallel_lora import apply_adapter_style
 from meshkit.tensor_parallel_local import (
     apply_head_params,
     apply_local_block,
     apply_local_norm,
     block_runs_local,
 )
+from meshkit.tensor_parallel_lora import apply_adapter_style
 from meshkit.tensor_parallel_rows import apply_selected_rows
 
 

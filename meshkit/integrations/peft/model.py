@@ -72,8 +72,8 @@ def _method_problems(model: nn.Module, tp: int) -> list[str]:
     return problems
 
 
-def _layer_problems(model: nn.Module, tp: int) -> list[str]:
-    """Where each adapter sits, and whether the plan lets it follow its base."""
+def _layer_problems(model: nn.Module) -> list[str]:
+    """Where each adapter sits (before MoE conversion, which would drop an adapter inside an MoE block)."""
     lm = llama.causal_lm(model)
     config = lm.config
     layers = lora_layers(lm)
@@ -106,8 +106,6 @@ def _layer_problems(model: nn.Module, tp: int) -> list[str]:
             problems.append(f"LoraConfig.r={r} on {name}: larger than min(in_features={base.in_features}, "
                             f"out_features={base.out_features}), so the update is not low-rank; fix: r <= "
                             f"{min(base.in_features, base.out_features)} (rank_pattern sets it per layer)")
-        if tp > 1:
-            problems += _tp_problems(name, inner, layer, block, config, tp)
     init = getattr(lora_config(model), "init_lora_weights", True)
     if meta and init not in INITS:
         problems.append(f"LoraConfig.init_lora_weights={init!r} on a meta-device model: that initialisation is "
@@ -116,8 +114,21 @@ def _layer_problems(model: nn.Module, tp: int) -> list[str]:
     return problems
 
 
-def _tp_problems(name: str, inner: str, layer: nn.Module, block: nn.Module, config: Any, tp: int) -> list[str]:
-    role = roles.block_roles(block, config).get(inner)
+def tp_problems(model: nn.Module, tp: int) -> list[str]:
+    """Whether each adapter can follow its base layer's tensor-parallel split (after MoE conversion:
+    the roles of a converted block are read without its experts)."""
+    if tp <= 1:
+        return []
+    lm = llama.causal_lm(model)
+    problems = []
+    for i, block in enumerate(lm.model.layers):
+        block_roles = roles.block_roles(block, lm.config)
+        for inner, layer in lora_layers(block).items():
+            problems += _tp_problems(f"model.layers.{i}.{inner}", block_roles.get(inner), layer, lm.config, tp)
+    return problems
+
+
+def _tp_problems(name: str, role: str | None, layer: nn.Module, config: Any, tp: int) -> list[str]:
     follows = role in FOLLOWED_ROLES and (role != "kv_colwise" or roles.kv_rows(config, tp, 0) is None)
     if not follows:
         how = "is not split by tensor parallelism" if role is None else f"is a {role!r} layer under tp={tp}"
@@ -145,9 +156,10 @@ def _target_problems(model: nn.Module) -> list[str]:
 
 
 def problems(model: nn.Module, tp: int) -> list[str]:
-    """Everything the PEFT model and a tp degree rule out, each with its fix (pure: every rank alike)."""
+    """What the PEFT model (and a tp degree's dropout rule) rules out, each with its fix (pure: every rank
+    alike); `tp_problems` adds the tensor-parallel layout's once MoE blocks are converted."""
     found = _method_problems(model, tp)
-    return found or _target_problems(model) + _layer_problems(model, tp)
+    return found or _target_problems(model) + _layer_problems(model)
 
 
 def adapter_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
