@@ -56,7 +56,7 @@ class LoraSpec:
 
     r: int = 4
     alpha: int = 8
-    targets: tuple[str, ...] = LLAMA_LINEARS
+    targets: tuple[str, ...] | str = LLAMA_LINEARS  # module names, or one regular expression (PEFT's forms)
     rslora: bool = False
     b_nonzero: bool = True
 
@@ -64,7 +64,8 @@ class LoraSpec:
         """The peft.LoraConfig."""
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=list(self.targets), lora_dropout=0.0,
+        targets = self.targets if isinstance(self.targets, str) else list(self.targets)
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
                           use_rslora=self.rslora, init_lora_weights=not self.b_nonzero)
 
 

@@ -64,7 +64,8 @@ def _method_problems(model: nn.Module, tp: int) -> list[str]:
     for field, what in unsupported.items():
         if getattr(config, field, None):
             problems.append(f"LoraConfig.{field}={getattr(config, field)!r}: {what} is not supported by meshkit; "
-                            f"fix: {field}=None (adapters on attention and dense MLP linears via target_modules)")
+                            f"fix: {field}=None and target_modules naming attention and dense-MLP linears (PEFT's "
+                            "'all-linear' adds an MoE model's experts as target_parameters by itself)")
     if tp > 1 and getattr(config, "lora_dropout", 0.0) > 0:
         problems.append(f"LoraConfig.lora_dropout={config.lora_dropout} with tp={tp}: tp ranks would draw "
                         "different (or, seeded alike, repeated) dropout masks over one input; fix: lora_dropout=0.0, "
