@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmarks.launch import run_ranks
 from benchmarks.report import emit, machine_line, table
-from meshkit._compat import dispatch_mode_base
+from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit.expert_parallel import MoE, apply_expert_parallel, pop_router_stats, update_expert_biases
 from meshkit.expert_parallel.grouped_gemm import grouped_mm_usable, swiglu_experts
 

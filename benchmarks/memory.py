@@ -29,10 +29,11 @@ import meshkit  # noqa: E402
 from benchmarks.launch import meshkit_model, run_ranks  # noqa: E402
 from benchmarks.report import emit, machine_line, mib, ratio, table  # noqa: E402
 from meshkit import estimate as est  # noqa: E402
-from meshkit._compat import fsdp_after_unit_reduce, fsdp_unsharded_tensors, storage_key, storage_nbytes  # noqa: E402
+from meshkit._compat.dispatch import storage_key, storage_nbytes  # noqa: E402
+from meshkit._compat.fsdp import fsdp_after_unit_reduce, fsdp_unsharded_tensors  # noqa: E402
 from meshkit.comm_counter import CommCounter  # noqa: E402
+from meshkit.data_parallel.zero_stages import fsdp_roots  # noqa: E402
 from meshkit.estimate.zero import paper_model_states, zero_memory  # noqa: E402
-from meshkit.zero.stages import fsdp_roots  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=256)

@@ -30,8 +30,8 @@ import meshkit
 from benchmarks.launch import run_ranks
 from benchmarks.report import emit, machine_line, table
 from meshkit.comm_counter import CommCounter
-from meshkit.data_parallel import DTYPES
-from meshkit.models.llama import attention_dims
+from meshkit.models.roles import attention_dims
+from meshkit.plan import DTYPES
 
 SMALL = 64  # all-reduces at or under this many bytes are latency-bound scalars, reported apart
 

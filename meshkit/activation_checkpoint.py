@@ -23,12 +23,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from meshkit._compat import (
+from meshkit._compat.checkpointing import (
     enter_hidden_from_selective_checkpoint,
     exit_hidden_from_selective_checkpoint,
     selective_checkpoint_contexts,
 )
 
+# The activation_checkpointing values a Plan takes: nothing saved recomputed ("none"), the
+# matmul / attention / collective outputs kept and the rest recomputed ("selective"), only each
+# block's input kept ("full").
+AC_MODES = ("none", "selective", "full")
 
 def _saved_ops() -> set:
     aten = torch.ops.aten

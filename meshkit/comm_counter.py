@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshkit._compat import dispatch_mode_base
+from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit.mesh import axis  # slices derived (flattened) axes without torch's deprecation warning
 
 # op name -> (kind, index of the argument whose size is the collective's full buffer)

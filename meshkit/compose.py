@@ -21,31 +21,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkit import data_parallel
 from meshkit import mesh as mesh_lib
-from meshkit._compat import align_group_timeouts
+from meshkit._compat.collectives import align_group_timeouts
 from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel.hf import ContextParallelAttention
+from meshkit.data_parallel.fsdp import apply_data_parallel
 from meshkit.expert_parallel import MoE, apply_expert_parallel
-from meshkit.inference import refuse_hf_forward
+from meshkit.inference.forward import refuse_hf_forward
 from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
-from meshkit.pipeline.actions import ActionKind
-from meshkit.pipeline.schedules import build_schedule, stage_placement
-from meshkit.plan import Plan, PlanError
-from meshkit.tensor_parallel import apply_tensor_parallel
-from meshkit.zero.offload import offload_policy
+from meshkit.pipeline.schedules import stage_placement
+from meshkit.plan import DTYPES, Plan, PlanError
+from meshkit.tensor_parallel.path import runs_on_local_shards
+from meshkit.tensor_parallel.styles import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
     """Shard and wrap `model` in place according to `plan`; return the handle that trains it.
 
     `model` is an HF Llama-family `*ForCausalLM`, or a PEFT `PeftModel` wrapping one with a LoRA adapter
-    (its frozen weights stay frozen, each adapter is sharded like its base layer: `tensor_parallel_lora`,
+    (its frozen weights stay frozen, each adapter is sharded like its base layer: `tensor_parallel.lora`,
     names stay PEFT's), on CPU, on its GPU, or on the meta device (then call
     `ParallelModel.init_weights` or `load_full_state_dict`: each rank materialises only its shards).
     Every invalid input raises ValueError on every rank before the first collective.
@@ -54,36 +53,21 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     llama.use_meshkit_attention(model)
     split = _apply_pipeline_split(model, plan, mesh)
-    parts, held = split.parts, split.held_blocks
-    if plan.tp > 1:
-        apply_tensor_parallel(parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
-                              loss_parallel=plan.loss_parallel, local=_tp_on_local_shards(plan))
-    moes = llama.moe_modules(parts)
-    held_moes = [parts.blocks[i].mlp for i in held if llama.has_moe(parts.blocks[i])]
-    expert_fsdp_mesh = _apply_expert_parallel(plan, mesh, moes) if moes else None
+    _apply_tensor_parallel(split, plan, mesh)
+    expert_mesh = _apply_expert_parallel(split, plan, mesh)
     _keep_frozen(model, frozen)
-    context_parallel = _context_parallel_attention(plan, mesh) if plan.cp > 1 else None
-    blocks = list(parts.blocks)
-    for i, block in zip(held, apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)):
-        blocks[i] = block
-        if plan.compile:
-            block.compile()
-    stages = build_stages(parts, blocks, split.ranges, split.stage_ids, context_parallel)
-    use_fsdp = data_parallel.needs_fsdp(mesh_lib.axis_size(mesh, "dp_shard_cp"), plan.dp_replicate,
-                                        plan.param_dtype) or plan.offload != "none"
-    if use_fsdp:
-        data_parallel.apply_fsdp_to_stages(stages.values(), held_moes, mesh_lib.fsdp_mesh(mesh), expert_fsdp_mesh,
-                                           tied=parts.tied, param_dtype=plan.param_dtype,
-                                           reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.fsdp_reshard,
-                                           offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
-        data_parallel.skip_embedding_regather(stages.values())
-    tp_summed = tuple(p for m in held_moes for p in m.parameters()) if plan.tp > 1 else ()
+    context_parallel = _context_parallel_attention(plan, mesh)
+    blocks = _apply_activation_checkpointing(split, plan)
+    _apply_compile(blocks, split.held_blocks, plan)
+    stages = build_stages(split.parts, blocks, split.ranges, split.stage_ids, context_parallel)
+    use_fsdp = apply_data_parallel(stages, _held_moes(split), plan, mesh, expert_mesh, tied=split.parts.tied)
     for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
         refuse_hf_forward(handle)
     align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
-                                                    tp_summed_params=tp_summed, tied_aliases=split.tied_aliases,
+                                                    tp_summed_params=_tp_summed_params(split, plan),
+                                                    tied_aliases=split.tied_aliases,
                                                     tied_group=split.tied_group))
 
 
@@ -107,7 +91,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
         raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
     llama.check_supported(model)
     if peft_model.is_peft_model(model):  # before MoE conversion, which would drop an adapter on an MoE block
-        peft_problems = peft_model.problems(model, plan.tp)
+        peft_problems = peft_model.adapter_problems(model, plan.tp)
         if peft_problems:
             raise PlanError.of(*peft_problems)
     lm = llama.causal_lm(model)
@@ -120,7 +104,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     parts = llama.parts(model)
     problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
-    problems += roles.model_problems(parts.blocks, model.config, plan.tp)
+    problems += roles.structure_problems(parts.blocks, model.config, plan.tp)
     problems += peft_model.tp_problems(model, plan.tp) if peft_model.is_peft_model(model) else []
     if problems:
         raise PlanError.of(*problems)
@@ -166,12 +150,35 @@ def _apply_pipeline_split(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> _Pi
     return _PipelineSplit(parts, ranges, stage_ids, held, aliases, group)
 
 
-def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> DeviceMesh:
-    """Shard experts over ep (folded into dp_shard x cp); return the mesh FSDP shards experts over.
+def _held_moes(split: _PipelineSplit) -> list[MoE]:
+    """The MoE layers of the blocks this rank's stages hold."""
+    return [split.parts.blocks[i].mlp for i in split.held_blocks if llama.has_moe(split.parts.blocks[i])]
+
+
+def _apply_tensor_parallel(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) -> None:
+    """Shard every block over tp (plain blocks on local shards where the plan allows it)."""
+    if plan.tp > 1:
+        apply_tensor_parallel(split.parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
+                              loss_parallel=plan.loss_parallel, local=runs_on_local_shards(plan))
+
+
+def _tp_summed_params(split: _PipelineSplit, plan: Plan) -> tuple[nn.Parameter, ...]:
+    """The parameters TP leaves whole on every tp rank whose gradients meshkit sums over tp itself:
+    the MoE layers' router, experts and shared expert (each tp rank routes its own sequence shard).
+    Read once FSDP has wrapped them: `fully_shard` replaces a module's parameter objects."""
+    return tuple(p for moe in _held_moes(split) for p in moe.parameters()) if plan.tp > 1 else ()
+
+
+def _apply_expert_parallel(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) -> DeviceMesh | None:
+    """Shard experts over ep (folded into dp_shard x cp); return the mesh FSDP shards experts over
+    (None for a dense model).
 
     Balancing statistics are summed over every rank that splits the batch's tokens (`dp_cp_tp`), and
     each microbatch's aux loss is a whole batch's worth, so the step's is their mean.
     """
+    moes = llama.moe_modules(split.parts)
+    if not moes:
+        return None
     ep_mesh, outer = mesh_lib.expert_axes(mesh, plan.ep)
     load_group = mesh_lib.axis(mesh, "dp_cp_tp").get_group()
     for moe in moes:
@@ -180,25 +187,31 @@ def _apply_expert_parallel(plan: Plan, mesh: DeviceMesh, moes: list[MoE]) -> Dev
     return mesh_lib.expert_fsdp_mesh(mesh, outer)
 
 
-def _tp_on_local_shards(plan: Plan) -> bool:
-    """Whether plain TP blocks run on local shards (`tensor_parallel_local`): not under torch.compile
-    (dynamo would trace the parameter swap) nor under schedules that split B from W (ZB's deferred
-    weight gradients wrap plain `nn.Linear` forwards, which the local path replaces)."""
-    if plan.compile:
-        return False
-    if plan.pp == 1:
-        return True
-    schedule = build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
-    return not any(a.kind is ActionKind.W for actions in schedule.ranks for a in actions)
-
-
-def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention:
+def _context_parallel_attention(plan: Plan, mesh: DeviceMesh) -> ContextParallelAttention | None:
     """How every attention layer splits its sequence over the cp axis (USP, and the all-gather kind with
-    cp_ulysses > 1: a Ulysses x outer grid). dK/dV travel in the plan's reduce dtype."""
-    grad_dtype = data_parallel.DTYPES[plan.reduce_dtype]
+    cp_ulysses > 1: a Ulysses x outer grid), or None without cp. dK/dV travel in the plan's reduce dtype."""
+    if plan.cp == 1:
+        return None
+    grad_dtype = DTYPES[plan.reduce_dtype]
     if plan.cp_attention == "usp" or (plan.cp_attention == "allgather" and plan.cp_ulysses > 1):
         ulysses_group, ring_group = mesh_lib.usp_axes(mesh, plan.cp_ulysses)
         return ContextParallelAttention(plan.cp_attention, plan.cp_layout, ulysses_group=ulysses_group,
                                         ring_group=ring_group, grad_dtype=grad_dtype)
     return ContextParallelAttention(plan.cp_attention, plan.cp_layout, group=mesh["cp"], grad_dtype=grad_dtype,
                                     keep_kv=plan.cp_keep_kv)
+
+
+def _apply_activation_checkpointing(split: _PipelineSplit, plan: Plan) -> list[nn.Module]:
+    """Every decoder block, the held ones wrapped for the plan's activation checkpointing mode."""
+    blocks = list(split.parts.blocks)
+    held = split.held_blocks
+    for i, block in zip(held, apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)):
+        blocks[i] = block
+    return blocks
+
+
+def _apply_compile(blocks: list[nn.Module], held: list[int], plan: Plan) -> None:
+    """torch.compile each held (checkpointed) block in place, when the plan asks for it."""
+    if plan.compile:
+        for i in held:
+            blocks[i].compile()

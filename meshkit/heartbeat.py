@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshkit import _compat
+from meshkit._compat import collectives as compat_collectives
 
 __all__ = ["Heartbeat", "Silent", "collective_timeout_s", "start_for_process_group"]
 
@@ -122,7 +122,7 @@ def _step_of(value: bytes | None) -> int:
 def collective_timeout_s() -> float | None:
     """The collective timeout the default process group really has (seconds), for the log line that
     tells a user how long a hung collective can block before the heartbeat or the timeout ends it."""
-    return _compat.collective_timeout_s() if dist.is_initialized() else None
+    return compat_collectives.default_group_timeout_s() if dist.is_initialized() else None
 
 
 def start_for_process_group(timeout_s: float, on_silent: Callable[[list[Silent]], None], *,
@@ -134,7 +134,7 @@ def start_for_process_group(timeout_s: float, on_silent: Callable[[list[Silent]]
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    store = _compat.default_store()
+    store = compat_collectives.default_store()
     if store is None:
         return None
     scoped = dist.PrefixStore(f"meshkit-heartbeat/{namespace}/", store)

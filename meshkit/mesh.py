@@ -29,14 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshkit._compat import (
-    align_group_timeouts,
-    concatenate_meshes,
-    flatten_mesh,
-    set_default_group_timeout,
-    split_axis,
-    submesh,
-)
+from meshkit._compat.collectives import align_group_timeouts, set_default_group_timeout
+from meshkit._compat.mesh import concatenate_meshes, flatten_mesh, split_axis, submesh
 from meshkit.plan import Plan, PlanError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -17,27 +17,27 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshkit import generation, inference
 from meshkit.data.loader import PackedLoader, check_fits_model
 from meshkit.data.store import TokenStore
-from meshkit.data_parallel import DTYPES, reshard_fsdp
+from meshkit.data_parallel import zero_stages
+from meshkit.data_parallel.fsdp import reshard_fsdp
+from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.expert_parallel import update_expert_biases
+from meshkit.inference import forward, generate
 from meshkit.integrations.peft import export as peft_export
 from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
 from meshkit.pipeline.schedules import build_schedule, forward_only
-from meshkit.plan import Plan
+from meshkit.plan import DTYPES, Plan
 from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
-from meshkit.step.aux import AuxLosses
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
-from meshkit.tensor_parallel import dtensor_params, loss_context, place_grads_like_params
-from meshkit.zero import stages as zero_stages
-from meshkit.zero.fused import FusedOptimizer
+from meshkit.step.router_aux import AuxLosses
+from meshkit.tensor_parallel.styles import dtensor_params, loss_context, place_grads_like_params
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,18 @@ class ParallelModel:
     def tied_aliases(self) -> dict[str, str]:
         """{head name: embedding name} when pipelining split a tied embedding into two copies, else {}."""
         return dict(self._aliases)
+
+    @property
+    def sums_grads_after_backward(self) -> bool:
+        """Whether meshkit itself sums some gradients once backward has returned (MoE weights every TP
+        rank holds whole, over tp; a tied embedding's two pipeline copies): those are not final inside
+        backward, which an optimizer fused into backward needs."""
+        return bool(self._tp_summed_params or self._aliases)
+
+    def attach_fused_optimizer(self, fused: FusedOptimizer) -> None:
+        """Tell the step that `fused` steps parameters inside backward (accumulation windows and
+        clipping are refused under it; its deferred steps run at the end of each call)."""
+        self._fused = fused
 
     # ---------------------------------------------------------------- data
     @property
@@ -171,14 +183,14 @@ class ParallelModel:
         batch: token cross-entropies summed over all data ranks divided by `loss_denominator`, which
         defaults to this call's global valid-token count, plus the router auxiliary terms of MoE
         models (HF's `router_aux_loss_coef` term with `output_router_logits`, meshkit MoE layers'
-        `aux_loss_coef`/`z_loss_coef`), weighted as they enter the gradients (`meshkit.step.aux`): for
+        `aux_loss_coef`/`z_loss_coef`), weighted as they enter the gradients (`meshkit.step.router_aux`): for
         HF MoE models this is HF's own `loss`. `parts=True` returns `LossParts(loss, ce, aux)`, the two
         terms apart (aux 0 for a model without any). Labels are unshifted (HF convention, -100
         ignored). `position_ids` that restart at 0 mark packed documents (block-diagonal attention).
 
         Under gradient accumulation pass `last_microbatch=False` to every call of a window but its
         last: with `Plan(grad_sync="last_microbatch")` gradients then stay local until that call, and
-        ZeRO-1/2 keep the gathered parameters for the next call (docs/memory.md).
+        ZeRO-1/2 keep the gathered parameters for the next call (docs/data_parallel.md).
         """
         if not isinstance(last_microbatch, bool):
             raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
@@ -265,9 +277,9 @@ class ParallelModel:
         gathered in token order; under pp the last stage's logits are broadcast to every pipeline
         rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
         tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
-        Collective over the whole mesh: every rank calls it. See `meshkit.inference`.
+        Collective over the whole mesh: every rank calls it. See `meshkit.inference.forward`.
         """
-        return inference.forward(self, input_ids, position_ids, gather=gather)
+        return forward.forward(self, input_ids, position_ids, gather=gather)
 
     def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
@@ -279,9 +291,9 @@ class ParallelModel:
         default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
         samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
         used under every plan except cp > 1, where each step recomputes the whole sequence. Every
-        rank calls it with the same `max_new_tokens`; see `meshkit.generation`.
+        rank calls it with the same `max_new_tokens`; see `meshkit.inference.generate`.
         """
-        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        return generate.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
 
     def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
@@ -342,7 +354,7 @@ class ParallelModel:
         if self._fused is not None:
             raise ValueError(f"{what}: the optimizer is fused into backward (meshkit.fuse_optimizer_into_backward), "
                              "so every gradient was consumed before a global norm could exist; the fused path does "
-                             "not clip (docs/memory.md); fix: train unfused to clip")
+                             "not clip (docs/data_parallel.md); fix: train unfused to clip")
         if self._window_open:
             raise ValueError(f"{what}: the last forward_backward passed last_microbatch=False, so its window's "
                              "gradients may not be reduced yet; fix: pass last_microbatch=True to the window's "
@@ -367,7 +379,7 @@ class ParallelModel:
 
     def save_checkpoint(self, path, optimizer, **kwargs) -> None:
         """Save model, optimizer, scheduler, step and RNG with torch.distributed.checkpoint under HF names;
-        see `meshkit.checkpoint.save` (every rank calls it)."""
+        see `meshkit.state.checkpoint.save` (every rank calls it)."""
         checkpoint.save(path, self, optimizer, **kwargs)
 
     def load_checkpoint(self, path, optimizer, **kwargs) -> dict:
@@ -378,13 +390,13 @@ class ParallelModel:
         """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds.
         A LoRA model takes its base model's directory or a PEFT adapter directory (`peft.export`)."""
         lora = peft_model.is_peft_model(self.model)
-        (peft_export.load if lora else hf_checkpoint.load_hf_checkpoint)(self, directory, strict=strict)
+        (peft_export.load_hf if lora else hf_checkpoint.load_hf_checkpoint)(self, directory, strict=strict)
 
     def save_hf_checkpoint(self, directory, *, merge: bool = False, **kwargs) -> None:
         """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it). A LoRA model
         writes its adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
         if peft_model.is_peft_model(self.model):
-            peft_export.save(self, directory, merge=merge, **kwargs)
+            peft_export.save_hf(self, directory, merge=merge, **kwargs)
         elif merge:
             raise ValueError("save_hf_checkpoint: merge=True merges a LoRA adapter and this model has none; fix: "
                              "merge=False")

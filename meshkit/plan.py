@@ -17,11 +17,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from meshkit.activation_checkpoint import AC_MODES
+from meshkit.context_parallel import rules as cp_rules
 from meshkit.context_parallel.sharding import required_multiple
+from meshkit.data_parallel.rules import memory_problems
+from meshkit.models import rules as model_rules
+from meshkit.pipeline import rules as pp_rules
 from meshkit.pipeline.schedules import SCHEDULES as PP_SCHEDULES
 from meshkit.pipeline.schedules import stages_per_rank
-from meshkit.plan_rules import cp_problems, model_problems, pp_problems
-from meshkit.zero.rules import memory_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,9 +34,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-AC_MODES = ("none", "selective", "full")
 CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
-DTYPES = ("float32", "bfloat16", "float16")
+# The dtype names a plan takes (param_dtype, reduce_dtype) and the torch dtypes they mean.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PlanError(ValueError):
@@ -71,7 +76,7 @@ class Plan:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_split: tuple[int, ...] = ()
-    # Memory (docs/memory.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
+    # Memory (docs/data_parallel.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
     zero: int = 3
     grad_sync: str = "every_microbatch"
     offload: str = "none"
@@ -108,7 +113,7 @@ class Plan:
                             f"(or \"4/8/12\")")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
-                problems.append(f"{name}={getattr(self, name)!r}: must be one of {DTYPES}")
+                problems.append(f"{name}={getattr(self, name)!r}: must be one of {tuple(DTYPES)}")
         for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
@@ -162,8 +167,8 @@ class Plan:
                     f"{plan.pp}*{plan.dp_replicate}*{plan.dp_shard}*{plan.cp}*{plan.tp} = {plan.world_size} "
                     f"processes; fix: launch `torchrun --nproc-per-node {plan.world_size}` or set dp_shard=-1"
                 )
-        problems += cp_problems(plan)
-        problems += pp_problems(plan)
+        problems += cp_rules.cp_problems(plan)
+        problems += pp_rules.pp_problems(plan)
         if (plan.dp_shard * plan.cp) % plan.ep:
             problems.append(
                 f"ep={plan.ep}: expert parallelism folds over dp_shard x cp = {plan.dp_shard * plan.cp} ranks and must "
@@ -176,7 +181,13 @@ class Plan:
                 "than the parameters loses gradient bits for nothing; fix: reduce_dtype='float32'"
             )
         if model_config is not None:
-            problems += model_problems(plan, model_config)
+            unsupported = model_rules.unsupported_config(model_config)
+            if unsupported:
+                problems.append(unsupported)
+            else:
+                problems += model_rules.model_problems(plan, model_config)
+                problems += pp_rules.layer_problems(plan, model_config)
+                problems += cp_rules.head_problems(plan, model_config)
         if seq_len is not None:
             if not isinstance(seq_len, int) or seq_len < 2:
                 problems.append(f"seq_len={seq_len!r}: need at least 2 tokens to predict one")

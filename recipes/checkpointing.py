@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 import meshkit
-from meshkit import checkpoint
-from meshkit.state import manifest, retention
+from meshkit.state import checkpoint, manifest, retention
 from meshkit.state.async_checkpoint import AsyncCheckpointer
 
 AUTO = "auto"

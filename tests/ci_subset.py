@@ -22,9 +22,9 @@ SLOW_CASES: dict[str, str] = {
     "tests/state/test_checkpoint.py::test_resume_under_another_plan[pp2dp2-to-tp2hsdp2]":
         "tp2dp2-to-pp2cp2 and tied-tp2dp2-to-pp2dp2",
     "tests/state/test_checkpoint.py::test_resume_under_another_plan[tied-pp2dp2-to-dp2]": "tied-tp2dp2-to-pp2dp2",
-    "tests/memory/test_zero.py::test_zero_stage_and_grad_sync_match_single_device"
+    "tests/data_parallel/test_zero.py::test_zero_stage_and_grad_sync_match_single_device"
     "[zero=1,grad_sync=every_microbatch,tp=2,dp_shard=2]": "zero=1 under cp, pp and ep; zero=3 under tp",
-    "tests/memory/test_zero.py::test_zero_stage_and_grad_sync_match_single_device"
+    "tests/data_parallel/test_zero.py::test_zero_stage_and_grad_sync_match_single_device"
     "[zero=2,grad_sync=last_microbatch,tp=2,dp_shard=2]": "zero=2 under cp, pp and HSDP; zero=3 under tp",
     "tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_plans_match_single_device"
     "[dp_shard=2,tp=2,ep=2,activation_checkpointing=selective-4]":
@@ -50,9 +50,9 @@ SLOW_CASES: dict[str, str] = {
         "llama-tied-pp2tp2",
     "tests/state/test_checkpoint.py::test_resume_same_plan_is_bit_identical[pp2dp2-zero1]":
         "pp2dp2-zero2-materialised-first (zero < 3 under pp, optimizer built on meta: pp2-on-2-ranks)",
-    "tests/memory/test_offload_axes.py::test_offload_matches_the_same_plan_without_it_and_one_device[CP]":
+    "tests/data_parallel/test_offload_axes.py::test_offload_matches_the_same_plan_without_it_and_one_device[CP]":
         "TP and HSDP: the same offload policy on the dp_shard_cp units, which cp only widens",
-    "tests/memory/test_offload_axes.py::test_offload_matches_the_same_plan_without_it_and_one_device[EP]":
+    "tests/data_parallel/test_offload_axes.py::test_offload_matches_the_same_plan_without_it_and_one_device[EP]":
         "TP and HSDP for the dense units; expert units get the same policy (data_parallel.apply_fsdp_to_stages)",
     "tests/parallel/test_inference.py::test_logits_and_greedy_tokens_match_the_single_device_model"
     "[tp=2,dp_shard=2,ep=2-spec8]": "gpt_oss-tp in test_families; windows with the KV cache: gemma2 tp=2 (spec7)",

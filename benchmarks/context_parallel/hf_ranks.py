@@ -29,7 +29,7 @@ from benchmarks.context_parallel.ranks import (
     usp_name,
 )
 from benchmarks.context_parallel.recording import return_big_frees_to_os
-from meshkit._compat import torch_context_parallel
+from meshkit._compat.peers import torch_context_parallel
 
 Tensor = torch.Tensor
 

@@ -24,7 +24,7 @@ from benchmarks.context_parallel.recording import (
     peak_rss_since,
     reset_peak_rss,
 )
-from meshkit._compat import torch_context_parallel
+from meshkit._compat.peers import torch_context_parallel
 from meshkit.context_parallel import (
     attention_block,
     ring_attention,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from meshkit._compat import dispatch_mode_base, op_schema_arguments
+from meshkit._compat.dispatch import dispatch_mode_base, op_schema_arguments
 from meshkit.comm_counter import CommCounter
 
 Tensor = torch.Tensor

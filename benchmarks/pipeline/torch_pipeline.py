@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshkit._compat import torch_pipeline_order
+from meshkit._compat.peers import torch_pipeline_order
 
 #: meshkit schedule name -> (torch class name, stages per rank the class gets in this benchmark).
 PEERS: dict[str, tuple[str, int]] = {

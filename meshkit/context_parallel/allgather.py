@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkit._compat import all_gather_single, reduce_scatter_single
+from meshkit._compat.collectives import all_gather_single, reduce_scatter_single
 from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import acc_dtype, attention_backward, attention_forward, default_scale
 from meshkit.context_parallel.ring import add_sinks_, check_sinks, merge_, sink_grad

@@ -103,7 +103,7 @@ class ContextParallelAttention:
         sinks_H = quirks.get("sinks_H")
         if sinks_H is not None and sinks_H.shape[0] != q_BHSD.shape[1]:
             raise ValueError(f"attention sinks for {sinks_H.shape[0]} heads but {q_BHSD.shape[1]} local query heads: "
-                             "the sinks must be split over tp with the query heads (tensor_parallel_local."
+                             "the sinks must be split over tp with the query heads (tensor_parallel.local."
                              "apply_head_params does it for the attention module's per-head parameters)")
         if self.kind is None:
             return quirk_attention(q_BHSD, k_BHSD, v_BHSD, scale=scale, doc_ids_BS=doc_ids_BS, **quirks)

@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from meshkit._compat import sdpa_op
+from meshkit._compat.dispatch import sdpa_op
 
 CausalKind = Literal["none", "causal"]
 Backend = Literal["auto", "cpu_flash", "flash", "efficient", "cudnn", "reference"]

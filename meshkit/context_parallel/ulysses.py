@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkit._compat import all_to_all_autograd
+from meshkit._compat.collectives import all_to_all_autograd
 from meshkit.context_parallel.group import as_group
 from meshkit.context_parallel.kernels import attention_block
 

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "SPLITS", "TokenStore", "file_digest", "file_entries", "finish_store", "token_dtype", "write_store"]
+from meshkit.state.digest import file_digest
+
+__all__ = ["FORMAT_VERSION", "SPLITS", "TokenStore", "file_entries", "finish_store", "token_dtype", "write_store"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -39,15 +41,6 @@ LOSS_MASK = "loss_mask.bin"
 TOKENIZER = "tokenizer"
 SPLITS = {"train": 0, "val": 1}
 _CHUNK = 1 << 22
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """sha256 of a file, read in chunks (a store's token file may be larger than memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _map_readonly(path: Path, dtype: np.dtype, count: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """`python -m meshkit.estimate`: memory, FLOPs, communication and step time of one plan, per rank.
 
-See docs/estimate.md; `python -m meshkit.plan_search` (`meshkit.estimate.search`) ranks many plans.
+See docs/estimate.md; `python -m meshkit.estimate.search` (`meshkit.estimate.search`) ranks many plans.
 """
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate.core import estimate
 from meshkit.estimate.report import build_parser, device_from_args, parse_tokens, render
-from meshkit.estimate.spec import AC_MODES, Workload, load_config
+from meshkit.estimate.spec import Workload, load_config
 from meshkit.plan import Plan
 
 

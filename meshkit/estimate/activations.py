@@ -33,21 +33,25 @@ import torch
 import transformers
 from torch import nn
 
-from meshkit._compat import fake_tensor_mode, storage_key
-from meshkit.estimate.spec import AC_MODES, DTYPES, config_from_key, config_key
+from meshkit._compat.dispatch import fake_tensor_mode, storage_key
+from meshkit.activation_checkpoint import AC_MODES
+from meshkit.estimate.spec import config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
-from meshkit.models import llama
+from meshkit.models import llama, roles
 from meshkit.models import quirks as quirks_lib
 from meshkit.models.hf_moe import identity_stand_in
 from meshkit.models.moe import moe_spec
+from meshkit.plan import DTYPES
 from meshkit.step import loss as loss_lib
 
 BLOCK_PARTS = ("attn_norm", "qkv_proj", "attention", "o_proj", "mlp_norm", "gate_up_proj", "mlp_act",
                "down_proj", "residual")
 _SEQ_SHARDED = frozenset({"attn_norm", "mlp_norm", "residual"})  # on s/tp tokens under SP
-_ROLE_PART = {("colwise", "attention"): "qkv_proj", ("rowwise", "attention"): "o_proj",
-              ("colwise", "mlp"): "gate_up_proj", ("rowwise", "mlp"): "down_proj",
-              ("attention", ""): "attention", ("mlp", ""): "mlp_act", ("head_norm", "attention"): "attention"}
+_ROLE_PART = {("colwise", "attention"): "qkv_proj", ("kv_colwise", "attention"): "qkv_proj",
+              ("packed_qkv", "attention"): "qkv_proj", ("rowwise", "attention"): "o_proj",
+              ("colwise", "mlp"): "gate_up_proj", ("packed_gate_up", "mlp"): "gate_up_proj", ("rowwise", "mlp"): "down_proj",
+              ("attention", ""): "attention", ("mlp", ""): "mlp_act", ("head_norm", "attention"): "attention",
+              ("row_norm", "attention"): "attention"}
 
 
 # ---------------------------------------------------------------------------------- the traces
@@ -78,10 +82,10 @@ def local_config(config: Any, tp: int, vocab: int | None = None) -> Any:
     Colwise/rowwise sharding leaves each rank an ordinary Llama block with fewer heads and a
     narrower MLP; HF reshapes with `view(..., -1, head_dim)`, so head_dim must be pinned.
     """
-    heads, kv, head_dim = llama.attention_dims(config)
+    heads, _, head_dim = roles.attention_dims(config)
     cfg = copy.deepcopy(config)
     cfg.num_attention_heads = heads // tp
-    cfg.num_key_value_heads = kv // tp
+    cfg.num_key_value_heads = roles.local_kv_heads(config, tp)
     cfg.head_dim = head_dim
     cfg.intermediate_size = config.intermediate_size // tp
     cfg.num_hidden_layers = 1
@@ -115,16 +119,16 @@ def pin_attention(model: nn.Module) -> None:
     llama.use_meshkit_attention(model)
 
 
-def _block_parts(block: nn.Module) -> dict[str, str]:
-    """Module name inside the block -> part name, from meshkit's roles (no HF names here)."""
-    roles = llama.block_roles(block)
+def _block_parts(block: nn.Module, config: Any) -> dict[str, str]:
+    """Module name inside the block -> part name, from the roles tensor parallelism applies (no HF names here)."""
+    block_roles = roles.block_roles(block, config)
     names: dict[str, str] = {}
     norms = ["attn_norm", "mlp_norm"]
-    for name, role in roles.items():  # roles come in execution order
+    for name, role in block_roles.items():  # residual norms in the block's order: the attention's first
         if role == "seq_norm":
             names[name] = norms.pop(0) if norms else "mlp_norm"
             continue
-        parent = roles.get(name.rsplit(".", 1)[0], "") if "." in name else ""
+        parent = block_roles.get(name.rsplit(".", 1)[0], "") if "." in name else ""
         part = _ROLE_PART.get((role, parent))
         if part is not None:
             names[name] = part
@@ -137,7 +141,7 @@ def _trace_block_cached(config_json: str, seq: int, tp: int, dtype: str) -> Bloc
     block, rotary = parts.blocks[0], parts.rotary
     params = {storage_key(p) for p in block.parameters()}
     sub = dict(block.named_modules())
-    module_parts = {sub[name]: part for name, part in _block_parts(block).items()}
+    module_parts = {sub[name]: part for name, part in _block_parts(block, parts.config).items()}
     with mode:
         hidden = torch.empty(1, seq, block_hidden(parts), dtype=DTYPES[dtype], requires_grad=True)
         positions = torch.arange(seq).unsqueeze(0)
@@ -206,14 +210,15 @@ def trace_head(config: Any, seq: int, tp: int = 1, loss_parallel: bool = True, d
 
 
 def _check_tp(config: Any, tp: int) -> None:
-    heads, kv, _ = llama.attention_dims(config)
-    dims = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
+    """Refuse a tp the model's attention or MLP cannot be split by, with the plan's own rule (K/V heads
+    may be fewer than tp: they are then replicated, as `roles.kv_rows` has tensor parallelism do)."""
+    problem = roles.tp_degree_problem(config, tp)
+    if problem:
+        raise ValueError(problem)
     spec = moe_spec(config)
-    if spec is None or len(spec.layers) < config.num_hidden_layers:  # experts are never split by TP
-        dims.append(("intermediate_size", config.intermediate_size))
-    for name, value in dims:
-        if value % tp:
-            raise ValueError(f"tp={tp} does not divide {name}={value}; fix: use a tp that divides it")
+    if (spec is None or len(spec.layers) < config.num_hidden_layers) and config.intermediate_size % tp:
+        raise ValueError(f"tp={tp} does not divide intermediate_size={config.intermediate_size}; fix: use a tp "
+                         f"that divides it")
 
 
 # --------------------------------------------------------------------------- scaled by the plan

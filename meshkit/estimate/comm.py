@@ -180,6 +180,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
             add("tp", "all_reduce", "TP: o/down outputs (fwd), attention/MLP input grads (bwd), recompute",
                 m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
+        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows of
+            add("tp", "all_reduce", "row-selected weights (replicated K/V, packed projections): gradients",
+                workload.calls(plan) * state.tp_partial_tensors,
+                state.tp_partial_elements * 4 / state.tp_partial_tensors, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
             add("tp", "all_reduce", "MoE router/expert gradient shards (each rank routed its own tokens)",
                 shard_sums * state.tp_summed_tensors, state.tp_summed_elements * 4 / state.tp_summed_tensors,

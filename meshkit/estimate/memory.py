@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import transformers
 
-from meshkit.data_parallel import expert_shard_dim
+from meshkit.data_parallel.fsdp import expert_shard_dim
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.spec import (
@@ -71,6 +71,26 @@ def stage_kinds(config: Any, plan: Plan) -> list[list[dict[str, int]]]:
 # -------------------------------------------------------------------------------- model state
 
 
+# The dim tensor parallelism splits, by (role, parameter): what `tensor_parallel.styles` applies
+# (ColwiseParallel: weight and bias on dim 0; RowwiseParallel: weight on dim 1, bias replicated).
+# Packed projections and norms stay whole on every tp rank; a kv_colwise projection is split only
+# when tp divides the K/V heads (`_tp_dim`).
+_TP_DIMS = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("kv_colwise", "weight"): 0, ("kv_colwise", "bias"): 0,
+            ("rowwise", "weight"): 1}
+
+
+# Roles of layers whose weight `tensor_parallel.rows` keeps whole and row-selects (when not split).
+_ROW_SELECTED = ("kv_colwise", "packed_qkv", "packed_gate_up")
+
+
+def _tp_dim(spec: ParamSpec, config: Any, tp: int) -> int | None:
+    """The dim TP splits `spec` on under degree `tp`: None for K/V projections whose heads tp exceeds
+    (every rank holds the whole projection and computes its query heads' K/V rows, `roles.kv_rows`)."""
+    if spec.role == "kv_colwise" and roles.kv_rows(config, tp, 0) is not None:
+        return None
+    return spec.tp_dim
+
+
 @functools.lru_cache(maxsize=16)
 def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], int, bool]:
     cfg = config_from_key(config_json)
@@ -80,14 +100,17 @@ def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], in
     if moe.model_experts(cfg) is not None:
         convert_moe_blocks(model)
     parts = llama.parts(model)
-    block_roles = llama.block_roles(parts.blocks[0])
+    block = parts.blocks[0]
+    block_roles = roles.block_roles(block, cfg)
+    head_params = set(roles.head_params(block, cfg))
     specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed")]
-    for name, p in parts.blocks[0].named_parameters():
+    for name, p in block.named_parameters():
         owner, leaf = name.rsplit(".", 1)
-        tp_dim = {"colwise": 0, "rowwise": 1 if leaf == "weight" else None}.get(block_roles.get(owner, ""))
+        role = block_roles.get(owner, "")
+        tp_dim = 0 if name in head_params else _TP_DIMS.get((role, leaf))
         in_moe = block_roles.get("mlp") == "moe" and owner.startswith("mlp")
         specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe,
-                               kind))
+                               kind, role))
     specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head"))
     if not parts.tied:
         specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head"))
@@ -151,7 +174,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     first, last = stage_ranks(plan)[0], stage_ranks(plan)[-1]
     copy = tied and plan.pp > 1 and pp_rank == last  # the head's copy of a tied embedding
     edge_count = {"embed": int(pp_rank == first) + int(copy), "head": int(pp_rank == last)}
-    numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = 0
+    numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = partial_tensors = partial_elements = 0
     units = {"embed": 0, "head": 0}
     kind_units = {k: {"block": 0, "expert": 0} for k in moe.KINDS}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
@@ -161,6 +184,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         # Experts: ep neighbouring ranks of dp_shard x cp split the experts (ep is the inner factor),
         # and FSDP shards each rank's block of experts over the fsdp/ep ranks holding the same block.
         split, split_rank, shards, shard_rank = plan.tp, tp_rank, fsdp, fsdp_rank
+        spec = dataclasses.replace(spec, tp_dim=_tp_dim(spec, config, plan.tp))
         if spec.unit == "expert":
             spec = dataclasses.replace(spec, tp_dim=0)
             split, split_rank, shards, shard_rank = plan.ep, fsdp_rank % plan.ep, fsdp // plan.ep, fsdp_rank // plan.ep
@@ -173,6 +197,8 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
             tied_copy = local
         held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
         held_total += held
+        if plan.tp > 1 and spec.unit == "block" and spec.role in _ROW_SELECTED and spec.tp_dim is None:
+            partial_tensors, partial_elements = partial_tensors + count, partial_elements + held
         zero["DDP"] += 16.0 * held
         zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
         zero["ZeRO-2"] += 2.0 * held + 14.0 * held / shards
@@ -190,7 +216,8 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     units["block"] = max((u.block for u in block_units), default=0)
     units["expert"] = max((u.expert for u in block_units), default=0)
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
-                      units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total, block_units)
+                      units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total, block_units,
+                      partial_tensors, partial_elements)
 
 
 # -------------------------------------------------------------------------------- activations

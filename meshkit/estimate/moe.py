@@ -33,12 +33,13 @@ import transformers
 from torch import nn
 from tqdm import tqdm
 
-from meshkit._compat import storage_key
-from meshkit.estimate.spec import DTYPES, config_from_key, config_key
+from meshkit._compat.dispatch import storage_key
+from meshkit.estimate.spec import config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.expert_parallel.moe import MoE
 from meshkit.models import llama
 from meshkit.models.moe import MoESpec, convert_moe_blocks, moe_spec, uniform_config
+from meshkit.plan import DTYPES
 
 MOE_PARTS = {"gate": "router", "experts": "experts", "shared_expert": "shared_expert"}
 DEFAULT_PART = "dispatch_combine"  # ops of MoE.forward itself: scores, top-k, gather, scatter-add

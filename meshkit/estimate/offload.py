@@ -1,7 +1,7 @@
 """What host offload (`Plan.offload`) costs: host memory, the bytes that cross the host link, the CPU step.
 
 Offload trades device memory for three things the estimate must see to rank it against plans that
-keep everything on the device (FSDP2's `CPUOffloadPolicy`, as `meshkit.zero.offload` sets it):
+keep everything on the device (FSDP2's `CPUOffloadPolicy`, as `meshkit.data_parallel.offload` sets it):
 
 - host memory: the sharded fp32 parameters (the master weights), their gradients and the optimizer
   state (`zero.ZeroMemory.host`);

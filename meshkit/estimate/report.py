@@ -12,7 +12,7 @@ from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
 from meshkit.estimate.memory import model_state
 from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB
-from meshkit.models import llama
+from meshkit.models import roles
 from meshkit.plan import Plan
 
 
@@ -30,7 +30,7 @@ def _bytes(n: float) -> str:
 def render(e: Estimate, check_flops: bool = True) -> str:
     """The per-rank report the CLI prints."""
     c, p, w, mem = e.config, e.plan, e.workload, e.memory
-    heads, kv, _ = llama.attention_dims(c)
+    heads, kv, _ = roles.attention_dims(c)
     n_total = model_state(c, Plan()).params
     experts = moe.model_experts(c)
     ffn = c.intermediate_size
@@ -128,7 +128,7 @@ def parse_tokens(text: str) -> int:
 
 
 def build_parser(description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
-    """The command-line flags shared by `python -m meshkit.estimate` and `python -m meshkit.plan_search`."""
+    """The command-line flags shared by `python -m meshkit.estimate` and `python -m meshkit.estimate.search`."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), config.json or dir")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs")

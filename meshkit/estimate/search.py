@@ -1,4 +1,4 @@
-"""Plan search (`python -m meshkit.plan_search`): the Playbook's "best configuration" procedure, automated with meshkit's estimator.
+"""Plan search (`python -m meshkit.estimate.search`): the Playbook's "best configuration" procedure, automated with meshkit's estimator.
 
 1. Fit memory first. Every layout (pp, dp_replicate, dp_shard, cp, tp, and ep for MoE models) is tried with each
    activation-checkpointing mode, microbatch size, ZeRO stage and gradient-sync policy, and host offload
@@ -33,7 +33,7 @@ from meshkit.plan import Plan, PlanError
 
 AC_ORDER = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1))
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1))
 
 
 def budget(device: Device, fraction: float = 0.9) -> float:
@@ -161,7 +161,7 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
             if m < 1 or abs(m * mbs - per_rank_seqs) > 0.25 * per_rank_seqs:
                 continue
             workload = Workload(seq, mbs, m, mfu)
-            for name, v in SCHEDULES if base.pp > 1 else (("1f1b", 1),):
+            for name, v in SEARCHED_SCHEDULES if base.pp > 1 else (("1f1b", 1),):
                 scheduled = base
                 if base.pp > 1:  # one pipeline call per step: all m microbatches in flight
                     scheduled = dataclasses.replace(base, pp_schedule=name, pp_virtual_stages=v, pp_microbatches=m)
@@ -286,7 +286,7 @@ def render(result: SearchResult, limit: float, world: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.",
-                          prog="python -m meshkit.plan_search")
+                          prog="python -m meshkit.estimate.search")
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")

@@ -12,15 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 
 from meshkit import metrics
-from meshkit.plan import Plan
+from meshkit.plan import DTYPES, Plan
 
 GiB = 1024**3
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AC_MODES = ("none", "selective", "full")
 
 # ------------------------------------------------------------------------------------ presets
 
@@ -166,10 +163,11 @@ class ParamSpec:
     """One parameter tensor, the dim TP splits (None: replicated over tp) and its FSDP unit."""
 
     shape: tuple[int, ...]
-    tp_dim: int | None
+    tp_dim: int | None  # when tp divides what it splits; `role` says when it is replicated instead
     unit: str  # "embed", "block", "head", or "expert" (dim 0 split by ep, then FSDP'd over fsdp/ep ranks)
     tp_summed: bool = False  # an MoE weight TP leaves whole: its gradient is all-reduced over tp
     kind: str = "dense"  # block and expert tensors: the kind of block ("dense" or "moe") they belong to
+    role: str = ""  # the TP role of the layer holding it (models/roles.block_roles), "" outside blocks
 
 
 @dataclass(frozen=True)
@@ -199,6 +197,10 @@ class ModelState:
     tied_copy_elements: int = 0  # pp > 1, tied embedding, first or last stage: this rank's copy's shard
     held_elements: int = 0       # elements of this rank's parameters before FSDP shards them (TP/ep-local)
     block_units: tuple[BlockUnits, ...] = ()  # the rank's blocks by kind (dense, moe)
+    # Weights TP keeps whole on every tp rank, each rank computing only its rows (replicated K/V heads,
+    # packed projections: tensor_parallel.rows): their gradients are Partial, all-reduced over tp.
+    tp_partial_tensors: int = 0
+    tp_partial_elements: int = 0  # their elements on this rank before FSDP shards them
 
     @property
     def block_elements(self) -> int:

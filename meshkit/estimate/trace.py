@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit._compat import dispatch_mode_base, storage_key, storage_nbytes
+from meshkit._compat.dispatch import dispatch_mode_base, storage_key, storage_nbytes
 from meshkit.activation_checkpoint import is_saved_op
 
 

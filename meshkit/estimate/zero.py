@@ -1,7 +1,7 @@
 """Model-state memory of one rank under the memory options (ZeRO stage, accumulation policy, host
 offload, fused step), exact for what meshkit keeps, with the ZeRO paper's formulas beside it.
 
-meshkit's three stages drive the same FSDP2 units (`meshkit.zero.stages`), so the sharded part is
+meshkit's three stages drive the same FSDP2 units (`meshkit.data_parallel.zero_stages`), so the sharded part is
 the same in all of them: fp32 parameter shards (the master weights the optimizer steps), fp32
 gradient shards and the optimizer's state, 4 + 4 + 8 bytes per parameter over N = dp_shard x cp
 ranks for AdamW. What differs is what is replicated on top:

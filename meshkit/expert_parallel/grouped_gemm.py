@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshkit._compat import grouped_mm_op, outside_dispatch_modes
+from meshkit._compat.dispatch import grouped_mm_op, outside_dispatch_modes
 from meshkit.expert_parallel.expert_variants import (
     ROW_LAYOUT,
     Activation,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from meshkit._compat import hidden_from_selective_checkpoint, in_backward
+from meshkit._compat.checkpointing import hidden_from_selective_checkpoint, in_backward
 from meshkit.expert_parallel.balancing import AttachLoss, RouterStats, router_z_loss, switch_aux_loss
 from meshkit.expert_parallel.dispatch import (
     DispatchPlan,

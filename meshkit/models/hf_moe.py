@@ -336,7 +336,7 @@ def init_moe_buffers(module: nn.Module, device: torch.device | str | None = None
                 setattr(owner, name, torch.zeros(moe.num_experts, dtype=dtype, device=device))
 
 
-# How HF writes expert weights to disk (per expert, legacy layout), for meshkit.hf_io:
+# How HF writes expert weights to disk (per expert, legacy layout), for meshkit.state.hf_checkpoint:
 # (block infix, gate, up, down) names; and the fused parameters of a converted block.
 HF_EXPERT_FILE_FORMATS = (
     (".mlp.", "gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE family

@@ -27,26 +27,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3
                          "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "glm4", "helium", "qwen2_moe",
                          "olmoe", "deepseek_v3", "gpt_oss")
 
-# Role of each layer inside a decoder block, by HF name relative to the block.
-#   colwise / rowwise : linear layers split on output / input features under TP
-#   seq_norm          : RMSNorm on the residual stream (sequence-sharded under SP)
-#   head_norm         : RMSNorm over head_dim applied per head (Qwen3 q_norm/k_norm); heads are split by TP
-#   attention / mlp   : modules whose input leaves the sequence-sharded region under SP
-BLOCK_ROLES = {
-    "input_layernorm": "seq_norm",
-    "self_attn": "attention",
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "self_attn.q_norm": "head_norm",
-    "self_attn.k_norm": "head_norm",
-    "post_attention_layernorm": "seq_norm",
-    "mlp": "mlp",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
 
 
 @dataclass
@@ -62,14 +42,6 @@ class CausalLMParts:
     config: object = None
     quirks: quirks_lib.OuterQuirks = field(default_factory=quirks_lib.OuterQuirks)
 
-
-def attention_dims(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a config: KV heads default to the query heads (MHA) and
-    head_dim to hidden/heads, as HF's Llama-family attention reads them."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, head_dim
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -137,19 +109,6 @@ def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
     prefix = next(f"{name}." if name else "" for name, module in model.named_modules() if module is lm)
     return {f"{prefix}lm_head.weight": f"{prefix}model.embed_tokens.weight"}
 
-
-def block_roles(block: nn.Module) -> dict[str, str]:
-    """Role of each layer that exists in this block (Qwen3 adds head norms, Llama has none).
-
-    A block whose MLP is a meshkit `MoE` has the role "moe" for it and no MLP linears: its experts
-    are split by expert parallelism, never by TP, and TP ranks route their own sequence shard.
-    """
-    present = dict(block.named_modules())
-    roles = {name: role for name, role in BLOCK_ROLES.items() if name in present}
-    if isinstance(getattr(block, "mlp", None), MoE):
-        roles = {name: role for name, role in roles.items() if not name.startswith("mlp")}
-        roles["mlp"] = "moe"
-    return roles
 
 
 def has_moe(block: nn.Module) -> bool:

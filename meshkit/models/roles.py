@@ -49,6 +49,13 @@ def attention_dims(config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+def local_kv_heads(config, tp: int) -> int:
+    """K/V heads one tp rank computes: its share when tp divides them, else the one head its query
+    heads read (K/V heads replicated, `kv_rows`)."""
+    _, kv_heads, _ = attention_dims(config)
+    return kv_heads // tp if kv_heads % tp == 0 else 1
+
+
 def score_value_dims(config) -> tuple[int, int, int]:
     """(query heads, per-head dim of the scores q.k, per-head dim of the values): head_dim twice,
     except for multi-head latent attention (DeepSeek-V3), whose scores use qk_nope + qk_rope dims
@@ -205,7 +212,7 @@ def replication_problem(roles: dict[str, str], config, tp: int) -> str | None:
             f"the largest tp that works is {max(ok)}; fix: tp in {ok}")
 
 
-def model_problems(blocks: list[nn.Module], config, tp: int) -> list[str]:
+def structure_problems(blocks: list[nn.Module], config, tp: int) -> list[str]:
     """What the module structure rules out for `tp`, before any collective (the config alone cannot
     show whether a q/k norm spans the whole projection). One entry per distinct problem."""
     problems: list[str] = []
@@ -253,8 +260,8 @@ def localize_head_counts(block: nn.Module, roles: dict[str, str], config, tp: in
     """
     if "packed_qkv" not in roles.values():
         return
-    heads, kv_heads, _ = attention_dims(config)
-    local_kv = kv_heads // tp if kv_heads % tp == 0 else 1
+    heads, _, _ = attention_dims(config)
+    local_kv = local_kv_heads(config, tp)
     attn = block.get_submodule("self_attn")
     view = copy.copy(attn.config)
     view.num_attention_heads, view.num_key_value_heads = heads // tp, local_kv

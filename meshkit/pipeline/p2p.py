@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshkit._compat import p2p_recv, p2p_send
+from meshkit._compat.collectives import p2p_recv, p2p_send
 
 
 @dataclass(frozen=True)

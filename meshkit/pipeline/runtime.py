@@ -32,14 +32,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshkit._compat import fsdp_post_backward
-from meshkit.data_parallel import reshard_fsdp
+from meshkit._compat.fsdp import fsdp_post_backward
+from meshkit.data_parallel.fsdp import reshard_fsdp
+from meshkit.data_parallel.zero_stages import fsdp_roots
 from meshkit.pipeline.actions import ActionKind, Schedule
 from meshkit.pipeline.p2p import TensorMeta, Transfer, Transfers, wire_tensor
 from meshkit.pipeline.program import COMM, Compute, Post, compile_rank
 from meshkit.pipeline.simulate import check
 from meshkit.pipeline.weight_grad import PendingWeightGrads, collecting, deferrable_linears
-from meshkit.zero.stages import fsdp_roots
 
 __all__ = ["LossFn", "Shapes", "TensorMeta", "TraceEvent", "run_schedule"]
 

@@ -204,6 +204,14 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedul
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", *V_SCHEDULES)
+# The schedules that split a backward into B (input gradient) and a deferred W (weight gradient).
+WEIGHT_GRAD_SPLIT = ("zb_h1", "zb_h2", *V_SCHEDULES)
+
+
+def splits_weight_grad(name: str) -> bool:
+    """Whether schedule `name` defers weight gradients (W actions), known from its name alone so that
+    parallelize can choose a layer implementation before any schedule is built."""
+    return name in WEIGHT_GRAD_SPLIT
 
 
 def stages_per_rank(name: str, virtual_stages: int = 1) -> int:
@@ -260,6 +268,7 @@ __all__: Sequence[str] = (
     "parse_action",
     "parse_schedule",
     "stage_placement",
+    "splits_weight_grad",
     "stages_per_rank",
     "with_communication",
     "zb_h1",

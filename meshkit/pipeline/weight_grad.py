@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshkit._compat import is_compiled
+from meshkit._compat.dispatch import is_compiled
 
 # The PendingWeightGrads collecting right now, or None (then the linears behave like nn.Linear).
 # A process-wide variable, not a thread-local: on GPUs the autograd engine runs backward on its own

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from meshkit import _compat
+from meshkit._compat.dcp import dcp_async_save
 from meshkit.state import atomic, checkpoint
 from meshkit.step.consensus import raise_if_any
 
@@ -57,7 +57,7 @@ class AsyncCheckpointer:
         state = checkpoint.state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id,
                                       data=data)
         final, partial = atomic.begin(path)
-        upload = _compat.dcp_async_save(state, partial, checkpoint.save_planner(), self._group)
+        upload = dcp_async_save(state, partial, checkpoint.save_planner(), self._group)
         description = checkpoint.record(pm, step, run_id, global_batch)
         publisher = self._rank == 0
 

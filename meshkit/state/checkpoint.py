@@ -40,12 +40,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.local_tensor import local_tensor
 from meshkit.state import atomic, manifest, retention
 from meshkit.state.manifest import step_dir
 from meshkit.state.names import held_buffers, is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
-from meshkit.zero.fused import FusedOptimizer
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
@@ -151,7 +151,7 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *, sc
     damaged = manifest.problems(path, checksums=False)  # sizes only: every rank reads its own bytes next
     if damaged:
         raise ValueError(f"checkpoint {path} is incomplete or damaged: {brief(damaged)}; fix: resume from an "
-                         "older checkpoint (meshkit.checkpoint.latest skips damaged ones)")
+                         "older checkpoint (meshkit.state.checkpoint.latest skips damaged ones)")
     entries = metadata.state_dict_metadata
     # The small pickled items first, each rank on its own (no_dist: no collective yet).
     small: dict[str, Any] = {k: None for k in (META, OPTIM_GROUPS, SCHEDULER) if k in entries}
@@ -160,7 +160,7 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *, sc
         dcp.load(small, checkpoint_id=path, planner=_load_planner(), no_dist=True)
     info = small.get(META)
     if not isinstance(info, dict) or info.get("format") != FORMAT_VERSION:
-        found = info.get("format") if isinstance(info, dict) else "none (not written by meshkit.checkpoint.save)"
+        found = info.get("format") if isinstance(info, dict) else "none (not written by meshkit.state.checkpoint.save)"
         raise ValueError(f"checkpoint {path}: format {found}; this meshkit reads format {FORMAT_VERSION}")
     problems = _model_problems(pm, entries, bool(info.get("adapter_only")))
     groups = small.get(OPTIM_GROUPS)
@@ -358,7 +358,7 @@ def _read_metadata(path: str) -> Metadata:
         return FileSystemReader(path).read_metadata()
     except (FileNotFoundError, NotADirectoryError, OSError) as err:
         raise ValueError(f"no meshkit checkpoint at {path!r} ({err}); fix: a directory written by "
-                         "meshkit.checkpoint.save") from err
+                         "meshkit.state.checkpoint.save") from err
 
 
 def _rng_state() -> dict[str, torch.Tensor | None]:

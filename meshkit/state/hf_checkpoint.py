@@ -38,7 +38,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshkit._compat import dtensor_chunks
+from meshkit._compat.dcp import dtensor_chunks
 from meshkit.local_tensor import local_tensor
 from meshkit.models import hf_moe
 from meshkit.models import moe as moe_models
@@ -274,7 +274,7 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_si
         raise ValueError(
             f"save_hf_checkpoint: a {config.model_type} model with meshkit MoE layers (Llama-MoE) has no "
             "Hugging Face class, so from_pretrained could not load it; fix: save it with "
-            "meshkit.checkpoint.save, or pm.full_state_dict() with safetensors")
+            "meshkit.state.checkpoint.save, or pm.full_state_dict() with safetensors")
     state = pm.full_state_dict()
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:

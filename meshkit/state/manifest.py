@@ -11,7 +11,6 @@ a `step-<n>` directory is either complete or was damaged afterwards, and `proble
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -20,7 +19,9 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 
-__all__ = ["MANIFEST", "file_digest", "partial_dir", "problems", "read", "step_dir", "step_of", "write"]
+from meshkit.state.digest import file_digest
+
+__all__ = ["MANIFEST", "partial_dir", "problems", "read", "step_dir", "step_of", "write"]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -48,12 +49,6 @@ def step_of(path: str | os.PathLike) -> int | None:
     name = Path(path).name
     suffix = name[len(STEP_PREFIX):]
     return int(suffix) if name.startswith(STEP_PREFIX) and suffix.isdigit() else None
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """SHA-256 of a file, read in chunks (checkpoint shards can be many GB)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write(directory: str | os.PathLike, record: dict[str, Any]) -> dict[str, Any]:

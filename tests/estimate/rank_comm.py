@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshkit.comm_counter import CommCounter
 from meshkit.mesh import axis, expert_axes
-from tests.memory.estimate_mesh import coordinates, local_bytes
+from tests.data_parallel.estimate_mesh import coordinates, local_bytes
 
 AXES = ("tp", "cp", "pp", "dp_shard_cp", "dp_replicate")
 

@@ -25,11 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
 from meshkit import estimate as est
+from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate import activations as acts
 from meshkit.estimate import search as plan_search
 from meshkit.estimate.__main__ import main as estimate_cli
-from meshkit.estimate.spec import AC_MODES, DTYPES
-from meshkit.plan import Plan
+from meshkit.plan import DTYPES, Plan
 
 SMALL = {
     "gqa": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -210,8 +210,12 @@ MESH_PLANS["pp_tp_selective"] = "pp=2,tp=2,pp_microbatches=2,activation_checkpoi
 MESH_PLANS["pp_tied_fsdp"] = "pp=2,dp_shard=2,pp_microbatches=2"  # the head holds a copy of the embedding
 # Under the V both copies sit on pp rank 0 and are summed there: no all-reduce, rank 0 holds both.
 MESH_PLANS["pp_zb_v_tied_fsdp"] = "pp=2,dp_shard=2,pp_schedule=zb_v,pp_microbatches=2"
+# One K/V head under tp=2: tensor parallelism replicates it (each rank holds the whole K/V projections
+# and computes its query heads' K/V rows), which a role table of plain colwise K/V would count as split.
+MESH_PLANS["tp_replicated_kv"] = "tp=2,dp_shard=2"
 MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {
-    key: MESH_MODEL | dict(tie_word_embeddings=True) for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp")}
+    key: MESH_MODEL | dict(tie_word_embeddings=True) for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp")} | {
+    "tp_replicated_kv": MESH_MODEL | dict(num_key_value_heads=1)}
 MESH_BATCH, MESH_SEQ = 2, 16
 
 
@@ -226,7 +230,7 @@ def mesh_runs(dist) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp",
-                                 "pp_zb_v_tied_fsdp"])
+                                 "pp_zb_v_tied_fsdp", "tp_replicated_kv"])
 def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
     config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     for rank, r in enumerate(mesh_runs[key]):

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 
 from meshkit import comm_counter, metrics
 from meshkit.activation_checkpoint import apply_activation_checkpointing
-from meshkit.models import llama
+from meshkit.models import roles
 
 CONFIGS = {
     "gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -44,7 +44,7 @@ def _config(name: str) -> LlamaConfig:
 
 def _non_matmul_params(config: LlamaConfig) -> int:
     """Norm weights and biases: in N_nonembedding, invisible to a matmul counter."""
-    heads, kv, d = llama.attention_dims(config)
+    heads, kv, d = roles.attention_dims(config)
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     per_layer = 2 * h
     if config.attention_bias:
@@ -90,7 +90,7 @@ def test_attention_term_counts_the_full_square() -> None:
     config = _config("gqa")
     seq = 32
     per_token = metrics.flops_per_token(config, seq)
-    heads, _, d = llama.attention_dims(config)
+    heads, _, d = roles.attention_dims(config)
     assert per_token.attention == 12 * config.num_hidden_layers * heads * d * seq
     assert per_token.dense == 6 * metrics.nonembedding_params(config)
 

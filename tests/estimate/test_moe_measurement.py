@@ -14,11 +14,11 @@ import pytest
 import torch
 import transformers
 
-from meshkit._compat import storage_key
+from meshkit._compat.dispatch import storage_key
 from meshkit.estimate import moe
-from meshkit.estimate.spec import DTYPES
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models.moe import convert_moe_blocks
+from meshkit.plan import DTYPES
 from meshkit.testing.families import family_spec
 from meshkit.testing.reference import ModelSpec
 

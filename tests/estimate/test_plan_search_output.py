@@ -1,4 +1,4 @@
-"""What `python -m meshkit.plan_search` prints: every plan pastes into `Plan.from_string` unchanged,
+"""What `python -m meshkit.estimate.search` prints: every plan pastes into `Plan.from_string` unchanged,
 short sequences get an answer (cp is simply not tried), and an empty answer says what removed the
 candidates."""
 

@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import meshkit
-from meshkit._compat import dispatch_mode_base, hidden_from_selective_checkpoint, in_backward
+from meshkit._compat.checkpointing import hidden_from_selective_checkpoint, in_backward
+from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit.activation_checkpoint import CheckpointedBlock, _selective_context, is_saved_op
 from meshkit.expert_parallel.grouped_gemm import _kernel_runs
 from meshkit.models.moe import convert_moe_blocks

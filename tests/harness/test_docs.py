@@ -181,7 +181,7 @@ def test_python_snippets_compile_and_name_real_api():
                 assert hasattr(meshkit, name) or importlib.util.find_spec(f"meshkit.{name}"), \
                     f"{path.name}: meshkit.{name} does not exist"
             for name in re.findall(r"(?<![\w.])checkpoint\.(\w+)", code):
-                assert hasattr(meshkit.checkpoint, name), f"{path.name}: checkpoint.{name} does not exist"
+                assert hasattr(meshkit.state.checkpoint, name), f"{path.name}: checkpoint.{name} does not exist"
 
 
 def _field_default(field: dataclasses.Field) -> object:

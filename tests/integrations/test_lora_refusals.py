@@ -16,7 +16,7 @@ ALL_RANKS_QUICKLY = 30.0
 
 def _problems(spec: ModelSpec, config, tp: int = 1) -> str:
     model = get_peft_model(spec.build(), config)
-    found = peft_model.problems(model, tp)
+    found = peft_model.adapter_problems(model, tp)
     if not found:
         lm = model.get_base_model()
         moe_models.convert_moe_blocks(lm) if moe_models.is_moe_model(lm) else None

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import meshkit
-from meshkit.generation import choose
+from meshkit.inference.generate import choose
 from meshkit.testing.families import family_spec
 from meshkit.testing.reference import ModelSpec
 

@@ -339,7 +339,7 @@ def _fsdp_worker(name: str, m: int, param_dtype: torch.dtype, checkpointing: str
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from meshkit._compat import fsdp_sum_gradients
+    from meshkit._compat.fsdp import fsdp_sum_gradients
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")

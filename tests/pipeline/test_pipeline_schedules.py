@@ -17,6 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshkit.pipeline.schedules import (
+    SCHEDULES,
     Action,
     ActionKind,
     Schedule,
@@ -29,6 +30,7 @@ from meshkit.pipeline.schedules import (
     one_f_one_b,
     parse_action,
     parse_schedule,
+    splits_weight_grad,
     with_communication,
     zb_h1,
 )
@@ -73,6 +75,15 @@ def test_every_generator_passes_check(shape, v):
                 if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):  # right before its consumer
                     assert actions[i + 1].stage == action.stage and actions[i + 1].is_compute
             assert all(placement[a.stage] == rank for a in actions)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_whether_a_schedule_defers_weight_gradients_is_known_from_its_name(name):
+    """parallelize picks the TP implementation from `splits_weight_grad` before building any schedule."""
+    v = 2 if name == "interleaved_1f1b" else 1
+    schedule = build_schedule(name, 4, 8, v)
+    has_w = any(a.kind is ActionKind.W for actions in schedule.ranks for a in actions)
+    assert splits_weight_grad(name) == has_w
 
 
 def test_one_rank_needs_no_communication():

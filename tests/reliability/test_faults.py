@@ -24,7 +24,8 @@ import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import meshkit
-from meshkit import _compat, heartbeat
+from meshkit import heartbeat
+from meshkit._compat.collectives import default_store
 from tests.reliability.recipe_run import ROOT, checkpoint_tensors, recipe_toml, train_in_pool
 
 # --------------------------------------------------------------------------------------- heartbeat
@@ -37,7 +38,7 @@ def _stop_a_peer(namespace: str, timeout_s: float) -> list[str]:
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     heard: list[str] = []
-    said = dist.PrefixStore(f"heard/{namespace}/", _compat.default_store())
+    said = dist.PrefixStore(f"heard/{namespace}/", default_store())
 
     def on_silent(silent: list[heartbeat.Silent]) -> None:
         heard.extend(s.message(rank) for s in silent)
@@ -132,4 +133,4 @@ def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
     assert ours.keys() == theirs.keys() and len(ours) > 0
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
-    assert meshkit.checkpoint.verify(save_dir / "step-00000009") == []
+    assert meshkit.state.checkpoint.verify(save_dir / "step-00000009") == []

@@ -107,7 +107,7 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint_bit_identical
     assert not (partial / ".metadata").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the half-written save is hidden, not a damaged checkpoint to warn about
-        assert meshkit.checkpoint.latest(save_dir) == str(save_dir / "step-00000003")
+        assert meshkit.state.checkpoint.latest(save_dir) == str(save_dir / "step-00000003")
 
     resumed = dist(2).run(train_in_pool, str(config), str(save_dir), str(tmp_path / "runs"))[0]
     reference = dist(2).run(train_in_pool, str(config), str(tmp_path / "reference"), str(tmp_path / "ref-runs"))[0]
@@ -118,7 +118,7 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint_bit_identical
     assert ours.keys() == theirs.keys() and ours
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
-    assert meshkit.checkpoint.verify(save_dir / "step-00000006") == []  # redone over the leftover
+    assert meshkit.state.checkpoint.verify(save_dir / "step-00000006") == []  # redone over the leftover
 
 
 # ------------------------------------------------------------------------- stopped and hung ranks

@@ -8,5 +8,5 @@
   and the merged (`merge_and_unload`) full HF model.
 
 The tensor-parallel layout of an adapter, which follows its base layer, is tensor-parallel knowledge
-and lives in `meshkit.tensor_parallel_lora`.
+and lives in `meshkit.tensor_parallel.lora`.
 """

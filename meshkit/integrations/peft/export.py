@@ -62,7 +62,7 @@ def _file_key(name: str, adapter_name: str) -> str:
     return name.replace(f".{adapter_name}.", ".")
 
 
-def load(pm: ParallelModel, directory: str | Path, strict: bool = True) -> None:
+def load_hf(pm: ParallelModel, directory: str | Path, strict: bool = True) -> None:
     """`pm.load_hf_checkpoint` of a LoRA model: an adapter directory, or the base model's."""
     if is_adapter_dir(directory):
         load_adapter(pm, directory)
@@ -70,7 +70,7 @@ def load(pm: ParallelModel, directory: str | Path, strict: bool = True) -> None:
         load_base(pm, directory, strict=strict)
 
 
-def save(pm: ParallelModel, directory: str | Path, *, merge: bool = False, **kwargs) -> None:
+def save_hf(pm: ParallelModel, directory: str | Path, *, merge: bool = False, **kwargs) -> None:
     """`pm.save_hf_checkpoint` of a LoRA model: the adapter, or with `merge` the merged full model."""
     if merge:
         save_merged(pm, directory, **kwargs)

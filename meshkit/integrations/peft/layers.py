@@ -3,7 +3,7 @@
 PEFT's `lora.Linear` wraps a targeted `nn.Linear` as `base_layer` and adds, per adapter name,
 `lora_A[name]` (an `nn.Linear` in -> r, no bias), `lora_B[name]` (r -> out), `lora_dropout[name]`
 and the float `scaling[name]` (alpha / r, or alpha / sqrt(r) with rsLoRA); its forward is
-`base(x) + B(A(dropout(x))) * scaling`. meshkit places the three linears (`tensor_parallel_lora`)
+`base(x) + B(A(dropout(x))) * scaling`. meshkit places the three linears (`tensor_parallel.lora`)
 and lets PEFT's own forward run on them, so PEFT's numerics are the reference by construction.
 Reading the structure rather than the class keeps `import meshkit` free of peft's import cost.
 """

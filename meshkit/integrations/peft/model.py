@@ -23,7 +23,7 @@ from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.hf_moe import is_hf_moe_block
 
-# The roles whose sharding an adapter follows (tensor_parallel_lora); kv_colwise only when tp splits
+# The roles whose sharding an adapter follows (tensor_parallel.lora); kv_colwise only when tp splits
 # the K/V heads (otherwise each rank selects rows of a replicated weight).
 FOLLOWED_ROLES = ("colwise", "kv_colwise", "rowwise")
 INITS = (True, False, "gaussian")  # what meshkit draws itself (meta-device models); others need real weights
@@ -156,7 +156,7 @@ def _target_problems(model: nn.Module) -> list[str]:
     return [f"LoraConfig.target_modules: {unmatched} match(es) no layer of the model; fix: target among {leaves}"]
 
 
-def problems(model: nn.Module, tp: int) -> list[str]:
+def adapter_problems(model: nn.Module, tp: int) -> list[str]:
     """What the PEFT model (and a tp degree's dropout rule) rules out, each with its fix (pure: every rank
     alike); `tp_problems` adds the tensor-parallel layout's once MoE blocks are converted."""
     found = _method_problems(model, tp)

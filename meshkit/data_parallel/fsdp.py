@@ -1,0 +1,158 @@
+"""FSDP2 (ZeRO-3) and HSDP over the data and context ranks, with mixed precision.
+
+Units are the embedding, each decoder block, `[norm, lm_head]`, then the root, so at most one block's
+full parameters exist at a time beyond the one being prefetched. Context-parallel ranks fold into the
+shard group (`dp_shard_cp`) because they hold the same weights. Gradients are summed, never averaged:
+meshkit's loss already divides by the global count of valid tokens.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from meshkit import mesh as mesh_lib
+from meshkit._compat.fsdp import fsdp_sum_gradients
+from meshkit.activation_checkpoint import hide_hooks_from_selective_checkpoint
+from meshkit.data_parallel.offload import offload_policy
+from meshkit.local_tensor import local_tensor
+from meshkit.plan import DTYPES, Plan
+
+
+def needs_fsdp(plan: Plan, mesh: DeviceMesh) -> bool:
+    """FSDP is applied when weights are shared by several ranks, to cast them (mixed precision), or to
+    keep them in host memory (offload)."""
+    shared = mesh_lib.axis_size(mesh, "dp_shard_cp") * plan.dp_replicate > 1
+    return shared or plan.param_dtype != "float32" or plan.offload != "none"
+
+
+def apply_data_parallel(stages: dict[int, nn.Module], expert_layers: list[nn.Module], plan: Plan, mesh: DeviceMesh,
+                        expert_mesh: DeviceMesh | None, *, tied: bool) -> bool:
+    """FSDP2 (or HSDP) units over dp_shard x cp for this rank's stages and MoE experts, when the plan
+    needs FSDP at all; returns whether it did. The ZeRO stage is not chosen here: it is how
+    `zero_stages` drives these same units per `forward_backward` call."""
+    if not needs_fsdp(plan, mesh):
+        return False
+    apply_fsdp_to_stages(stages.values(), expert_layers, mesh_lib.fsdp_mesh(mesh), expert_mesh, tied=tied,
+                         param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                         reshard_after_forward=plan.fsdp_reshard,
+                         offload_policy=offload_policy(plan.offload, mesh_lib.mesh_device(mesh)))
+    skip_embedding_regather(stages.values())
+    return True
+
+
+def expert_shard_dim(local_shape: tuple[int, ...], shards: int) -> int:
+    """The dim FSDP splits a rank's expert weights [E/ep, rows, cols] on, over `shards` ranks.
+
+    Dim 0 (whole experts per rank) when it divides evenly. Otherwise torch.chunk would leave ranks
+    empty and give others whole experts (E/ep = 1 over 8 ranks: one rank holds everything), so the
+    first later dim that divides evenly is split instead, as FSDP2 requires of dims past 0. Only when
+    none does are experts chunked unevenly on dim 0.
+    """
+    if local_shape[0] % shards == 0:
+        return 0
+    return next((d for d in range(1, len(local_shape)) if local_shape[d] % shards == 0), 0)
+
+
+def expert_placement(shards: int):
+    """FSDP2 `shard_placement_fn` for an experts unit (see `expert_shard_dim`)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = local_tensor(param)
+        return Shard(expert_shard_dim(tuple(local.shape), shards))
+
+    return placement
+
+
+def apply_fsdp(
+    units: list[nn.Module | list[nn.Module]],
+    root: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: bool,
+    shard_placement_fn=None,
+    offload_policy: OffloadPolicy | None = None,
+) -> list[nn.Module]:
+    """`fully_shard` each unit then the root over `mesh` (1D FSDP or 2D HSDP); return the FSDP modules.
+
+    The last unit is never resharded after forward: backward needs it first, so resharding would
+    only add an all-gather. `shard_placement_fn` picks a parameter's shard dim (FSDP2's default is 0).
+    `offload_policy` places the shards in host memory (`meshkit.data_parallel.offload`).
+    """
+    # FSDP2 warns on every forward that a unit returned a view (TP's to_local makes one), because an
+    # in-place op on it would skip the pre-backward hook. meshkit's stages never modify unit outputs
+    # in place (HF blocks add residuals out of place), so the warning is noise, filtered by its text.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    placement = dict(shard_placement_fn=shard_placement_fn, offload_policy=offload_policy or OffloadPolicy())
+    wrapped = []
+    for i, unit in enumerate(units):
+        last = i == len(units) - 1
+        module = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
+                             **placement)
+        wrapped.append(module)
+    wrapped.append(fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                               **placement))
+    for module in wrapped:
+        # A list unit shares one FSDP state among its modules; setting it on the first sets it for all.
+        fsdp_sum_gradients(module[0] if isinstance(module, list) else module)
+    return wrapped
+
+
+def apply_fsdp_to_stages(
+    stages: Iterable[nn.Module],
+    expert_layers: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    *,
+    tied: bool,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: bool,
+    offload_policy: OffloadPolicy | None = None,
+) -> None:
+    """FSDP units of meshkit's stages: each MoE layer's experts (over `expert_mesh`, the data ranks ep
+    leaves), then per stage the embedding, each block, `[norm, lm_head]` and the stage as root.
+
+    A tied weight lives in both the embedding and the head and can belong to one unit only, so with
+    tying (`tied`) both stay in the root unit.
+    """
+    policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+                  offload_policy=offload_policy)
+    for moe in expert_layers:
+        apply_fsdp([], moe.experts, expert_mesh, shard_placement_fn=expert_placement(expert_mesh.shape[-1]),
+                   **policy)
+        hide_hooks_from_selective_checkpoint(moe.experts)  # a unit inside the (checkpointed) block
+    for stage in stages:
+        edges = [stage.embed] if stage.embed is not None and not tied else []
+        tail = [[stage.norm, stage.lm_head]] if stage.lm_head is not None and not tied else []
+        apply_fsdp(edges + list(stage.layers.values()) + tail, stage, mesh, **policy)
+
+
+def skip_embedding_regather(stages: Iterable[nn.Module]) -> None:
+    """Let each stage's embedding unit stay sharded through backward.
+
+    An embedding's gradient is a scatter-add of the output gradient at the token ids: its backward
+    never reads the weight. FSDP would still all-gather the unit again before its backward (it was
+    resharded after forward), moving a whole vocab x hidden matrix (1 GB of bf16 at 128k x 4096) for
+    nothing. The gradient still lands in the unsharded parameter's `.grad` and is reduce-scattered as
+    usual. A tied embedding is not its own unit (the head reads the weight) and is left alone.
+    """
+    for stage in stages:
+        embed = getattr(stage, "embed", None)
+        if isinstance(embed, FSDPModule):
+            embed.set_unshard_in_backward(False)
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """Free every FSDP unit under `module` that is still gathered (after a forward without backward)."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
