@@ -51,3 +51,13 @@ def lora_layers(root: nn.Module) -> dict[str, nn.Module]:
         if is_lora_layer(module) and not any(name.startswith(f"{outer}.") for outer in found):
             found[name] = module
     return found
+
+
+def owner_and_part(owner: str) -> tuple[str, str]:
+    """(the layer, its part) for the module path that owns a parameter: a LoRA layer's base
+    (`q_proj.base_layer` -> ("q_proj", "base")) or adapter (`q_proj.lora_A.default` -> ("q_proj", "lora_A")),
+    else (owner, "")."""
+    for part, marker in (("base", ".base_layer"), ("lora_A", ".lora_A."), ("lora_B", ".lora_B.")):
+        if marker in owner or owner.endswith(marker):
+            return owner[:owner.index(marker)], part
+    return owner, ""

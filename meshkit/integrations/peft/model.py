@@ -11,6 +11,7 @@ tensor as PEFT's `reset_lora_parameters` does, from (seed, name) like every mesh
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -187,3 +188,39 @@ def init_tensor(name: str, shape: torch.Size, in_features: int, r: int, init: An
         bound = 1.0 / math.sqrt(fan_in)
         return (torch.rand(shape, generator=generator) * 2 - 1) * bound
     return torch.zeros(shape)
+
+
+# ------------------------------------------------------------------------------- the estimator's view
+
+LORA_KEY = "meshkit_lora"  # config attribute: {"r": ..., "target_modules": [...]}, what the estimator models
+
+
+def with_lora(config: Any, r: int, target_modules: list[str] | str) -> Any:
+    """A copy of `config` that tells the estimator (`meshkit.estimate`) the model trains a LoRA adapter
+    of rank `r` on `target_modules` with everything else frozen (PEFT's `get_peft_model`)."""
+    out = copy.deepcopy(config)
+    setattr(out, LORA_KEY, {"r": int(r), "target_modules": target_modules if isinstance(target_modules, str)
+                            else sorted(target_modules)})
+    return out
+
+
+def estimate_config(model: nn.Module) -> Any:
+    """The config the estimator reads for a PEFT model: its HF config with its LoRA settings."""
+    config = lora_config(model)
+    return with_lora(llama.causal_lm(model).config, config.r, config.target_modules)
+
+
+def lora_of(config: Any) -> dict | None:
+    """The LoRA settings a config carries for the estimator (`with_lora`), or None (full fine-tuning)."""
+    return getattr(config, LORA_KEY, None) or None
+
+
+def wrap(model: nn.Module, config: Any) -> nn.Module:
+    """`model` (an HF causal LM, e.g. a one-block meta model the estimator builds) as the PeftModel of
+    the LoRA settings `config` carries; the model itself when it carries none."""
+    settings = lora_of(config)
+    if settings is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=settings["r"], target_modules=settings["target_modules"]))
