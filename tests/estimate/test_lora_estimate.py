@@ -9,13 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from tests.estimate.test_estimate import MESH_MODEL, _config, _keys, _LiveStorages, _measure_single, _mesh_workload
 
 import meshkit
 from meshkit import estimate as est
 from meshkit.estimate import search as plan_search
 from meshkit.integrations.peft.model import with_lora
 from meshkit.plan import DTYPES, Plan
+from tests.estimate.test_estimate import (
+    MESH_MODEL,
+    _config,
+    _keys,
+    _LiveStorages,
+    _measure_single,
+    _mesh_workload,
+)
 
 R, TARGETS = 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PLANS = {
@@ -126,3 +133,45 @@ def test_lora_communication_matches_comm_counter(runs, key: str) -> None:
             assert counted.pop("recv@pp") == counted["send@pp"]
             counted["p2p@pp"] = counted.pop("send@pp")
         assert counted == pytest.approx(predicted), f"{key}, rank {rank}"
+
+
+def test_plan_search_knows_lora() -> None:
+    """On a budget where full fine-tuning needs model-state sharding, LoRA's frozen base (no gradient,
+    no optimizer state) fits with less: its best plan's peak is lower, and its plans re-estimate
+    as found. A model whose K/V heads tp would replicate keeps tp out of plans with K/V adapters."""
+    import dataclasses
+
+    from tests.estimate.test_estimate import SEARCH_MODEL
+
+    config = _config(SEARCH_MODEL)
+    lora = with_lora(config, 8, TARGETS)
+    device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=96 * 2**20)
+    full, tuned = (plan_search.search(c, 8, 512, 32 * 512, device, top=5) for c in (config, lora))
+    assert tuned.plans
+    for cand in tuned.plans:
+        again = est.estimate(lora, cand.plan, 8, cand.workload, device)
+        assert again.peak_bytes <= plan_search.budget(device) and again.step_time == cand.estimate.step_time
+    peak = min(c.estimate.peak_bytes for c in tuned.plans)
+    assert not full.plans or peak < min(c.estimate.peak_bytes for c in full.plans)
+    mqa = with_lora(_config(dict(SEARCH_MODEL, num_key_value_heads=1)), 8, TARGETS)
+    assert all(c.plan.tp == 1 for c in plan_search.search(mqa, 4, 512, 16 * 512, device, top=50).plans)
+
+
+def test_estimate_cli_takes_lora(capsys) -> None:
+    """`--lora-r` on the command line: the same model with gradients and AdamW state for the adapters
+    only, the FlopCounterMode check of a LoRA block (no weight gradients of the frozen base) agreeing."""
+    from meshkit.estimate.__main__ import main as estimate_cli
+
+    reports = []
+    for extra in ([], ["--lora-r", "16"]):
+        estimate_cli(["--model", "llama3.2-1b", "--world", "8", "--seq", "1024", "--plan", "dp_shard=8", *extra])
+        reports.append(capsys.readouterr().out)
+
+    def gib(report: str, what: str) -> float:
+        return float(next(line for line in report.splitlines() if line.strip().startswith(what)).split()[-1])
+
+    full, lora = reports
+    assert gib(lora, "gradients") < gib(full, "gradients") / 50 and gib(lora, "optimizer") < gib(full, "optimizer") / 50
+    assert "LoRA: the frozen base computes no weight gradients" in lora
+    ratio = float(lora.split("(ratio ")[1].split(")")[0])
+    assert abs(ratio - 1) < 0.02, lora
