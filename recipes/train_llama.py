@@ -41,7 +41,6 @@ from train_config import (  # the recipe's own module beside this script (the sc
     build_parser,
     load_config,
 )
-from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import meshkit
@@ -253,7 +252,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     preflight.check_filesystem(run, model_config)
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = run.build_model(model_config)  # a PEFT model when [peft] asks for an adapter
     n_nonembedding = metrics.count_nonembedding_params(model)
     pm = meshkit.parallelize(model, run.plan)
     ckpt = Checkpointing(cfg, pm, global_batch=pm.dp_size * cfg.local_batch * cfg.grad_accum)
@@ -269,7 +268,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         raise ValueError(f"[train] seq_len={cfg.seq_len}: {seq_problem}")
     record = run_record(plan, pm.dp_size, cfg.local_batch, cfg.grad_accum, cfg.seq_len)  # goes into checkpoints
 
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    optimizer = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = lr_schedule(optimizer, cfg)
     data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
@@ -297,7 +296,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         print(f"meshkit: plan {plan.describe()} on {world} ranks | {n_nonembedding / 1e6:.2f}M non-embedding params | "
               f"{global_tokens:,} tokens/step | {fpt.model / 1e6:.2f} MFLOPs/token | "
               f"peak {peak / 1e12 if peak else float('nan'):.3g} TFLOP/s/device | TensorBoard: {log_dir}", flush=True)
-    predicted = _predict(model_config, plan, world, cfg) if rank == 0 else None  # only rank 0 prints and logs
+    predicted = _predict(run.estimate_config(model_config), plan, world, cfg) if rank == 0 else None  # rank 0 logs
     if predicted is not None:
         logger.log(first_step, {"predicted_peak_gib": predicted / 2**30})
 
@@ -375,7 +374,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     if cfg.sample_tokens and hasattr(data, "prompt"):  # token-store data: a held-out prompt, continued
         _print_sample(pm, data, cfg.sample_tokens, rank)
     if cfg.export_hf:
-        pm.save_hf_checkpoint(cfg.export_hf)
+        pm.save_hf_checkpoint(cfg.export_hf, merge=run.peft.merge)  # a LoRA model: its adapter, or merged
     logger.close()
     if not losses:  # resumed at or past the last step: nothing left to train
         if rank == 0:
