@@ -17,7 +17,7 @@ import torch
 from tests_support import assert_matches_reference
 
 import meshkit
-from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, family_spec, plan_refusal
+from meshkit.testing.families import FAMILY_FIELDS, LORA, MOE_KINDS, family_spec, plan_refusal
 from meshkit.testing.reference import BatchSpec, compare_training
 
 PLANS = {
@@ -27,6 +27,7 @@ PLANS = {
     "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
     "pp": "pp=2,dp_shard=2,pp_microbatches=2",
     "ep": "dp_shard=4,ep=4",  # MoE families only: one expert per rank
+    "lora": "tp=2,dp_shard=2",  # a PEFT LoRA model (families.LORA: attention and dense-MLP adapters)
 }
 # Each quirk under the shape most likely to break it, and one refusal: soft-capping, windows and
 # post-norms under TP; windows and rope per layer type under Ulysses; packed projections and the
@@ -40,17 +41,20 @@ CI_CASES = {
     # gpt-oss: sinks split with the query heads under TP (biased experts on each rank's sequence
     # shard), sinks following the heads under Ulysses with alternating windows.
     ("gpt_oss", "tp"), ("gpt_oss", "ulysses"),
+    # LoRA: adapters on gpt-oss's biased attention (the DTensor path: row-parallel o_proj with a bias)
+    # and a packed model's refusal.
+    ("gpt_oss", "lora"), ("phi3", "lora"),
 }
 FULL = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 BATCH = BatchSpec(batch=4, seq=8, documents=1)
 
 
-def _compare_on_rank(plan: str, kind: str, batch: BatchSpec):
-    return dataclasses.asdict(compare_training(plan, family_spec(kind), batch))
+def _compare_on_rank(plan: str, kind: str, batch: BatchSpec, lora: bool = False):
+    return dataclasses.asdict(compare_training(plan, family_spec(kind, lora=LORA if lora else None), batch))
 
 
-def _train_one_step(plan: str, kind: str, batch: BatchSpec):
-    model = family_spec(kind).build()
+def _train_one_step(plan: str, kind: str, batch: BatchSpec, lora: bool = False):
+    model = family_spec(kind, lora=LORA if lora else None).build()
     # Start validation together: the pool gives ranks a few seconds to follow a rank that raised, and
     # building the model takes longer than that on a loaded machine.
     torch.distributed.barrier()
@@ -68,10 +72,10 @@ def test_family_under_plan(dist, kind, shape):
     plan = PLANS[shape]
     refusal = plan_refusal(kind, shape, BATCH.seq)
     if refusal is None:
-        results = dist(4).run(_compare_on_rank, plan, kind, BATCH)
+        results = dist(4).run(_compare_on_rank, plan, kind, BATCH, shape == "lora")
         assert_matches_reference(results, f"{kind} under {plan}")
         return
-    outcomes = dist(4).run_raw(_train_one_step, plan, kind, BATCH, timeout=300)
+    outcomes = dist(4).run_raw(_train_one_step, plan, kind, BATCH, shape == "lora", timeout=300)
     reason, fix = refusal
     for o in outcomes:
         assert not o.ok and isinstance(o.value, ValueError), f"rank {o.rank}: {o.exc_type}: {o.message}"

@@ -12,7 +12,7 @@ from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, plan_refusal
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 COLUMNS = {"TP/SP x FSDP": ("tp",), "CP ring, zigzag": ("ring", "zigzag"), "CP ulysses": ("ulysses",),
-           "PP x FSDP": ("pp",), "EP x FSDP": ("ep",)}
+           "PP x FSDP": ("pp",), "EP x FSDP": ("ep",), "LoRA (TP/SP x FSDP)": ("lora",)}
 ELSEWHERE = ("mixtral", "qwen3_moe")  # MoE models tested in tests/expert_parallel
 
 
