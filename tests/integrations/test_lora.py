@@ -145,3 +145,27 @@ def test_frozen_base_stays_sharded_without_gradients_or_weight_gradient_work(dis
         assert not r["frozen_with_grad"] and not r["trainable_without_grad"], r
         assert not r["deferred_not_adapters"] and not r["adapters_not_deferred"], r
 
+
+
+def _fused_vs_unfused(plan: str):
+    """The optimizer fused into backward steps the adapters only, as the unfused AdamW does."""
+    spec, batch = ModelSpec(lora=LORA), BatchSpec(batch=4, seq=8)
+    fused_pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
+    plain_pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
+    fused = meshkit.fuse_optimizer_into_backward(fused_pm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3))
+    plain = torch.optim.AdamW([p for p in plain_pm.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    rows = slice(fused_pm.dp_rank * 2, (fused_pm.dp_rank + 1) * 2)
+    for step in range(2):
+        ids, labels = batch.make(64, step)
+        fused_pm.forward_backward(ids[rows], labels[rows])
+        plain_pm.forward_backward(ids[rows], labels[rows])
+        plain.step()
+        plain.zero_grad()
+    a, b = fused_pm.full_state_dict(), plain_pm.full_state_dict()
+    trainable = sum(p.requires_grad for p in fused_pm.parameters())
+    return max((a[k] - b[k]).abs().max().item() for k in a), len(fused.optimizers), trainable
+
+
+def test_fused_optimizer_steps_only_the_adapters(dist):
+    for diff, optimizers, trainable in dist(2).run(_fused_vs_unfused, "dp_shard=2"):
+        assert optimizers == trainable and diff < 1e-6, (diff, optimizers, trainable)

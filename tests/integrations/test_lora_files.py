@@ -124,3 +124,27 @@ def test_adapter_for_another_base_is_refused_on_every_rank(dist, tmp_path):
         for o in dist(2).run_raw(_load_adapter, str(tmp_path / sub)):
             assert o.exc_type == "ValueError" and "saved for another base" in o.message, o.traceback or o.message
             assert needle in o.message and "fix:" in o.message, o.message
+
+
+def _init_both(plan: str):
+    from meshkit.state.names import hf_name, is_adapter
+
+    states = []
+    for spec in (ModelSpec(lora=LoraSpec(b_nonzero=False)), BASE):
+        pm = meshkit.parallelize(spec.build(device="meta"), meshkit.Plan.from_string(plan))
+        pm.init_weights(seed=3)
+        states.append(pm.full_state_dict())
+    lora, plain = states
+    base_equal = all(torch.equal(t, plain[hf_name(n)]) for n, t in lora.items() if not is_adapter(n))
+    return base_equal, {n: t for n, t in lora.items() if is_adapter(n)}
+
+
+def test_init_weights_draws_the_base_as_hf_and_the_adapters_as_peft(dist):
+    for base_equal, adapters in dist(2).run(_init_both, "tp=2"):
+        assert base_equal, "the base of a LoRA model must equal the plain model's init at the same seed"
+        for name, t in adapters.items():
+            if ".lora_A." in name:
+                bound = 1 / t.shape[1] ** 0.5
+                assert 0.5 * bound < t.abs().max() <= bound, name
+            else:
+                assert not t.any(), name
