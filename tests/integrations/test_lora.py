@@ -33,7 +33,7 @@ def _compare_on_rank(plan: str, model: ModelSpec, batch: BatchSpec, meta_init: b
 @st.composite
 def lora_cases(draw):
     """A plan over 4 ranks (pp, dp_replicate/dp_shard, cp, tp; schedules, CP kinds, AC, ZeRO) and a LoRA
-    config (r, alpha, targets, rsLoRA) on a tiny Llama, tied or not."""
+    config (r, alpha, targets, rsLoRA) on a tiny Llama, tied or not, built on CPU or on meta."""
     pp, cp, tp = (draw(st.sampled_from([1, 2])) for _ in range(3))
     if pp * cp * tp > 4:
         pp = 1
@@ -52,14 +52,14 @@ def lora_cases(draw):
     model = ModelSpec(layers=max(2, pp * v), tied=draw(st.booleans()), seed=draw(st.integers(0, 99)), lora=lora)
     multiple = meshkit.Plan.from_string(plan).seq_multiple()
     batch = BatchSpec(batch=4, seq=max(8, multiple), ignore=0.3, seed=draw(st.integers(0, 99)))
-    return plan, model, batch
+    return plan, model, batch, draw(st.booleans())  # meta init: load_full_state_dict under PEFT's names
 
 
 @examples(ci=2)
 @given(lora_cases())
 def test_random_plans_and_lora_configs(dist, case):
-    plan, model, batch = case
-    results = dist(4).run(_compare_on_rank, plan, model, batch)
+    plan, model, batch, meta_init = case
+    results = dist(4).run(_compare_on_rank, plan, model, batch, meta_init)
     assert_matches_reference(results, f"{plan} with {model.lora}")
 
 
