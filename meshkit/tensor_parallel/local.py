@@ -15,7 +15,9 @@ clipping and state dicts see nothing different) but runs the block on their loca
 - while a sharded module runs, its DTensor parameters are swapped for their local shards with
   `to_local(grad_placements=...)`: a colwise / rowwise weight's local gradient is its shard's
   gradient; a norm on the sequence shard gets a Partial gradient (each rank saw other tokens),
-  which FSDP's reduce-scatter or `place_grads_like_params` sums over tp as before.
+  which FSDP's reduce-scatter or `place_grads_like_params` sums over tp as before. A PEFT LoRA layer's
+  base, A and B are each placed and run this way by `tensor_parallel.lora.linear_shards` (the
+  replicated half with a Partial gradient), so the rowwise reduction sums base and adapter at once.
 
 Bytes and the memory layout are those of the DTensor path (same collectives, same sizes, norms on
 1/tp of the tokens). Used for blocks whose roles are plain colwise / rowwise / seq_norm / attention

@@ -18,11 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit.expert_parallel import MoE
 from meshkit.integrations.peft.layers import adapter, base_layer, lora_layers
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
-from meshkit.models.hf_moe import is_hf_moe_block
 
 # The roles whose sharding an adapter follows (tensor_parallel.lora); kv_colwise only when tp splits
 # the K/V heads (otherwise each rank selects rows of a replicated weight).
@@ -77,21 +75,17 @@ def _method_problems(model: nn.Module, tp: int) -> list[str]:
 def _layer_problems(model: nn.Module) -> list[str]:
     """Where each adapter sits (before MoE conversion, which would drop an adapter inside an MoE block)."""
     lm = llama.causal_lm(model)
-    config = lm.config
-    layers = lora_layers(lm)
-    blocks = {f"model.layers.{i}.": block for i, block in enumerate(lm.model.layers)}
-    llama_moe = moe_models.moe_spec(config) is not None and not any(map(is_hf_moe_block, lm.modules()))
+    names = {id(m): n for n, m in lm.named_modules()}
+    blocks = [names[id(b)] + "." for b in llama.parts(lm).blocks]
+    sparse = [names[id(m)] + "." for m in moe_models.expert_computed_modules(lm)]
     problems, meta = [], False
-    for name, layer in layers.items():
-        prefix = next((p for p in blocks if name.startswith(p)), None)
-        if prefix is None:
+    for name, layer in lora_layers(lm).items():
+        if not any(name.startswith(p) for p in blocks):
             problems.append(f"LoRA on {name}: meshkit runs the embedding and the LM head itself (vocabulary-"
                             "parallel under tp, a tied weight split under pp), so an adapter there is not "
                             "supported; fix: leave it out of target_modules (or add it to exclude_modules)")
             continue
-        block, inner = blocks[prefix], name[len(prefix):]
-        mlp = getattr(block, "mlp", None)
-        if inner.startswith("mlp.") and (isinstance(mlp, MoE) or is_hf_moe_block(mlp) or llama_moe):
+        if any(name.startswith(p) for p in sparse):
             problems.append(f"LoRA on {name}: meshkit's MoE layer computes the router, experts and shared experts "
                             "from their weights (grouped GEMMs over expert parallelism), so an adapter there would "
                             "be ignored; fix: target attention and dense-MLP linears only (e.g. target_modules="
@@ -122,11 +116,12 @@ def tp_problems(model: nn.Module, tp: int) -> list[str]:
     if tp <= 1:
         return []
     lm = llama.causal_lm(model)
+    names = {id(m): n for n, m in lm.named_modules()}
     problems = []
-    for i, block in enumerate(lm.model.layers):
+    for block in llama.parts(lm).blocks:
         block_roles = roles.block_roles(block, lm.config)
         for inner, layer in lora_layers(block).items():
-            problems += _tp_problems(f"model.layers.{i}.{inner}", block_roles.get(inner), layer, lm.config, tp)
+            problems += _tp_problems(f"{names[id(block)]}.{inner}", block_roles.get(inner), layer, lm.config, tp)
     return problems
 
 
