@@ -94,6 +94,7 @@ CASES = [
                  ModelSpec(kind="qwen2_moe", experts=4, intermediate=16, extra=(("mlp_only_layers", [1]),),
                            lora=DENSE_MLP_AND_ATTENTION), 8, False, id="qwen2moe-dense-mlp-ep2"),
     pytest.param("tp=2,dp_shard=2", ModelSpec(kind="qwen2", lora=LORA), 8, False, id="qwen2-biases"),
+    pytest.param("dp_shard=4,compile=true", ModelSpec(layers=1, lora=LORA), 8, False, id="compiled-fsdp"),
 ]
 
 
