@@ -212,10 +212,13 @@ class ModelState:
     # packed projections: tensor_parallel.rows): their gradients are Partial, all-reduced over tp.
     tp_partial_tensors: int = 0
     tp_partial_elements: int = 0  # their elements on this rank before FSDP shards them
+    tensors: int = 0  # parameter tensors on this rank
     # Of `held_elements` and `unit_elements`, what has gradients (a LoRA model's adapters; everything
     # without frozen weights: None). Gradient buffers, reductions and optimizer state follow these.
     held_trainable: int | None = None
     grad_unit_elements: dict[str, int] | None = None
+    trained_params: int | None = None   # of `params`, elements with gradients (this rank's shards)
+    trained_tensors: int | None = None  # of `tensors`, those with gradients
     adapter_partial_tensors: int = 0   # LoRA halves replicated over tp (A of a column base, B of a row base)
     adapter_partial_elements: int = 0  # their elements on this rank before FSDP shards them
     grad_free_edges: int = 0  # first-stage SP/TP conjugates backward skips (frozen embedding: `memory`)
@@ -226,6 +229,10 @@ class ModelState:
             object.__setattr__(self, "held_trainable", self.held_elements)
         if self.grad_unit_elements is None:
             object.__setattr__(self, "grad_unit_elements", dict(self.unit_elements))
+        if self.trained_params is None:
+            object.__setattr__(self, "trained_params", self.params)
+        if self.trained_tensors is None:
+            object.__setattr__(self, "trained_tensors", self.tensors)
 
     @property
     def block_elements(self) -> int:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,11 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from meshkit.integrations.peft.layers import adapter, lora_layers
-from meshkit.integrations.peft.model import lora_config
+from meshkit.integrations.peft.model import is_peft_model, lora_config
 from meshkit.mesh import axis
 from meshkit.models import hf_moe, llama
 from meshkit.state.full import copy_full_into, init_weights
+from meshkit.state.gather import full_state_dict_on_rank0
 from meshkit.state.hf_checkpoint import load_hf_checkpoint, write_pretrained
 from meshkit.state.names import hf_name, is_adapter
 from meshkit.step.consensus import brief, raise_if_any
@@ -70,12 +72,17 @@ def load_hf(pm: ParallelModel, directory: str | Path, strict: bool = True) -> No
         load_base(pm, directory, strict=strict)
 
 
-def save_hf(pm: ParallelModel, directory: str | Path, *, merge: bool = False, **kwargs) -> None:
-    """`pm.save_hf_checkpoint` of a LoRA model: the adapter, or with `merge` the merged full model."""
+def save_hf(pm: ParallelModel, directory: str | Path, *, merge: bool = False, tokenizer: Any = None,
+            max_shard_size: int | str = "5GB") -> None:
+    """`pm.save_hf_checkpoint` of a LoRA model: the adapter, or with `merge` the merged full model (each
+    with the tokenizer, when given)."""
+    if not is_peft_model(pm.model):
+        raise ValueError("save_hf_checkpoint: merge=True merges a LoRA adapter and this model has none; fix: "
+                         "merge=False")
     if merge:
-        save_merged(pm, directory, **kwargs)
+        save_merged(pm, directory, max_shard_size=max_shard_size, tokenizer=tokenizer)
     else:
-        save_adapter(pm, directory)
+        save_adapter(pm, directory, tokenizer=tokenizer)
 
 
 def load_base(pm: ParallelModel, directory: str | Path, strict: bool = True) -> None:
@@ -99,8 +106,9 @@ def _gather_adapter(pm: ParallelModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_adapter(pm: ParallelModel, directory: str | Path) -> None:
-    """Write the adapter as `PeftModel.save_pretrained` does (rank 0 writes; every rank calls it)."""
+def save_adapter(pm: ParallelModel, directory: str | Path, tokenizer: Any = None) -> None:
+    """Write the adapter as `PeftModel.save_pretrained` does, and the tokenizer (an HF tokenizer or its
+    directory) when given (rank 0 writes; every rank calls it)."""
     tensors = _gather_adapter(pm)
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -118,6 +126,12 @@ def save_adapter(pm: ParallelModel, directory: str | Path) -> None:
             mapping = None if config.task_type is not None else {
                 "base_model_class": type(lm).__name__, "parent_library": type(lm).__module__}
             config.save_pretrained(str(directory), auto_mapping_dict=mapping)
+            if isinstance(tokenizer, (str, os.PathLike)):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(directory))
         except Exception as err:  # noqa: BLE001 - every rank must learn of it
             problem = f"save_hf_checkpoint: rank 0 could not write the adapter to {str(directory)!r}: {err}"
     raise_if_any(problem, device=pm.device)
@@ -176,9 +190,23 @@ def load_adapter(pm: ParallelModel, directory: str | Path) -> None:
     raise_if_any(problem, device=pm.device)
 
 
-def save_merged(pm: ParallelModel, directory: str | Path, max_shard_size: int | str = "5GB") -> None:
-    """Write the merged model (W + s * B @ A per LoRA layer) as a plain HF model (rank 0 writes)."""
-    state = pm.full_state_dict()
+def save_merged(pm: ParallelModel, directory: str | Path, max_shard_size: int | str = "5GB",
+                tokenizer: Any = None) -> None:
+    """Write the merged model (W + s * B @ A per LoRA layer) as a plain HF model: rank 0 alone assembles
+    the full state (`state.gather`) and writes; every rank calls it."""
+    state = full_state_dict_on_rank0(pm)
+    problem = None
+    if state is not None:  # rank 0
+        try:
+            write_pretrained(llama.causal_lm(pm.model), _merged_hf_state(pm, state), Path(directory), max_shard_size,
+                             tokenizer)
+        except Exception as err:  # noqa: BLE001 - every rank must learn of it
+            problem = f"save_hf_checkpoint(merge=True): rank 0 could not write {str(directory)!r}: {err}"
+    raise_if_any(problem, device=pm.device)
+
+
+def _merged_hf_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full PEFT state with every adapter merged into its base weight, under HF's names."""
     merged = {}
     for name, layer in lora_layers(pm.model).items():
         parts = adapter(layer)
@@ -190,11 +218,4 @@ def save_merged(pm: ParallelModel, directory: str | Path, max_shard_size: int | 
             base_bias = f"{name}.base_layer.bias"
             merged[base_bias] = (state[base_bias].float() + parts.scaling * bias.float()).to(state[base_bias].dtype)
     hf_state = {hf_name(k): merged.get(k, v) for k, v in state.items() if not is_adapter(k)}
-    config = llama.causal_lm(pm.model).config
-    problem = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            write_pretrained(config, hf_moe.to_hf_state_dict(hf_state, config), Path(directory), max_shard_size)
-        except Exception as err:  # noqa: BLE001 - every rank must learn of it
-            problem = f"save_hf_checkpoint(merge=True): rank 0 could not write {str(directory)!r}: {err}"
-    raise_if_any(problem, device=pm.device)
+    return hf_moe.to_hf_state_dict(hf_state, llama.causal_lm(pm.model).config)
