@@ -115,6 +115,9 @@ SLOW_CASES: dict[str, str] = {
     "tests/integrations/test_lora.py::test_lora_plans[pp2-zbh2]": "pp2-tp2-zbh1 (the B/W split of the adapters)",
     "tests/integrations/test_lora.py::test_lora_plans[mixtral-ep2-tp2]": "test_lora_refusals (adapters inside MoE blocks) and tp2-sp-local for attention adapters",
     "tests/integrations/test_lora.py::test_lora_plans[qwen2moe-dense-mlp-ep2]": "test_lora_refusals (adapters inside MoE blocks) and tp2-sp-local",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-dualpipe-tied]":
+        "pp2-tp2-zbh1 (the adapters' B/W split); the mirror pair sums only gradients that exist",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zb-auto]": "pp2-tp2-zbh1 (the adapters' B/W split)",
     "tests/integrations/test_lora.py::test_lora_plans[compiled-fsdp]":
         "tp2-sp-local (the adapters' FSDP path); compile without adapters in test_training_semantics",
     "tests/integrations/test_lora.py::test_lora_plans[qwen2-biases]": "tp2-sp-local (colwise biases shard with the base, as without LoRA)",

@@ -95,6 +95,10 @@ CASES = [
                            lora=DENSE_MLP_AND_ATTENTION), 8, False, id="qwen2moe-dense-mlp-ep2"),
     pytest.param("tp=2,dp_shard=2", ModelSpec(kind="qwen2", lora=LORA), 8, False, id="qwen2-biases"),
     pytest.param("dp_shard=4,compile=true", ModelSpec(layers=1, lora=LORA), 8, False, id="compiled-fsdp"),
+    pytest.param("pp=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4", ModelSpec(tied=True, layers=4, lora=LORA),
+                 8, True, id="pp2-dualpipe-tied"),
+    pytest.param("pp=2,tp=2,pp_schedule=zb_auto,pp_microbatches=4", ModelSpec(layers=4, lora=LORA), 8, False,
+                 id="pp2-zb-auto"),
 ]
 
 
