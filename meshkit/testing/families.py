@@ -75,6 +75,4 @@ def plan_refusal(kind: str, shape: str, seq: int) -> tuple[str, str] | None:
     if shape in ("ring", "zigzag"):
         phrase = ring_refusal(kind, seq)
         return None if phrase is None else (phrase, "cp_attention='ulysses'")
-    if shape == "tp" and dict(FAMILY_FIELDS[kind]).get("kv_lora_rank"):
-        return "multi-head latent attention", "the largest tp that works is 1"
     return None

@@ -219,6 +219,9 @@ def test_deepseek_v3_preset_has_the_published_size():
 # pipeline stage, Qwen2-MoE over two stages whose first holds only the dense block.
 MESH_CASES = {
     "deepseek_v3_ep_fsdp": ("deepseek_v3_first_dense", "dp_shard=4,ep=2"),
+    # MLA split by heads: up-projections colwise, o rowwise, the latent layers whole on every tp rank
+    # with partial gradients (all-reduced over tp)
+    "deepseek_v3_tp_ep": ("deepseek_v3_first_dense", "tp=2,dp_shard=2,ep=2"),
     "qwen2_moe_pp_ep": ("qwen2_moe_mlp_only", "pp=2,dp_shard=2,ep=2,pp_microbatches=2"),
 }
 MESH_BATCH, MESH_SEQ = 2, 16
