@@ -15,6 +15,8 @@ import dataclasses
 import pytest
 from tests_support import assert_matches_reference
 
+import meshkit
+from meshkit.models import roles
 from meshkit.testing.families import family_spec
 from meshkit.testing.reference import BatchSpec, compare_training
 
@@ -44,3 +46,28 @@ def test_latent_attention_under_tp(dist, case):
     plan, fields, extra = CASES[case]
     results = dist(4).run(_compare_on_rank, plan, fields, extra)
     assert_matches_reference(results, f"deepseek_v3 {case} under {plan}")
+
+
+def test_tp_must_split_the_heads():
+    """Every rank up-projects the latents for whole heads: a tp that does not divide them is refused by
+    the plan's validation, naming the largest degree that works and the ones that do."""
+    config = family_spec("deepseek_v3", heads=6, kv_heads=6).config()
+    assert roles.tp_degree_problem(config, 3) is None
+    with pytest.raises(ValueError, match=r"largest tp that works is 3; fix: use a tp in \[1, 2, 3, 6\]"):
+        meshkit.Plan(tp=4).validate(config, 4)
+
+
+def test_latent_layers_stay_whole():
+    """The roles TP applies: up-projections colwise, o rowwise, the down-projections and latent norms
+    whole (`latent`), with or without a q latent."""
+    for q_lora, q_proj in ((16, "self_attn.q_b_proj"), (None, "self_attn.q_proj")):
+        spec = family_spec("deepseek_v3")
+        spec.extra = tuple({**dict(spec.extra), "q_lora_rank": q_lora}.items())
+        config = spec.config()
+        block = spec.build(device="meta").model.layers[0]
+        got = {k: v for k, v in roles.block_roles(block, config).items() if k.startswith("self_attn.")}
+        want = {q_proj: "colwise", "self_attn.kv_a_proj_with_mqa": "latent", "self_attn.kv_a_layernorm": "latent",
+                "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise"}
+        if q_lora:
+            want |= {"self_attn.q_a_proj": "latent", "self_attn.q_a_layernorm": "latent"}
+        assert got == want
