@@ -202,6 +202,7 @@ class ModelState:
     # gradients are Partial, all-reduced over tp.
     tp_partial_tensors: int = 0
     tp_partial_elements: int = 0  # their elements on this rank before FSDP shards them
+    tensors: int = 0  # parameter tensors on this rank
 
     @property
     def block_elements(self) -> int:
