@@ -87,6 +87,23 @@ def test_active_parameters_of_mla_and_shared_experts(kind, fields):
     assert metrics.active_block_params(config, config.num_hidden_layers - 1) == _active_block_params(model, config)
 
 
+def test_latent_down_projections_are_computed_whole_on_every_tp_rank():
+    """Under tp every rank runs MLA's down-projections for the whole sequence: the step's compute time
+    holds (tp - 1) more copies of their forward and backward FLOPs, each rank's share 1/tp, than it
+    would if tp divided them (a dense DeepSeek-V3, so no MoE layer is measured)."""
+    from meshkit.models import roles
+
+    config = _spec("deepseek_v3", first_k_dense_replace=2).config()
+    plan, workload, device = meshkit.Plan(tp=2), Workload(seq=16, microbatches=2), DEVICES["h100"]
+    with_latents = estimate(config, plan, 2, workload).times["compute"]
+    with mock.patch.object(roles, "tp_replicated_params", lambda _: 0):
+        divided = estimate(config, plan, 2, workload).times["compute"]
+    replicated = config.hidden_size * (config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim)
+    share = workload.mbs * workload.seq / plan.tp / (device.peak_flops * workload.mfu)
+    expected = workload.microbatches * 3 * 2 * replicated * (plan.tp - 1) * config.num_hidden_layers * share
+    assert with_latents - divided == pytest.approx(expected, rel=1e-9)
+
+
 # ----------------------------------------------------------------------- mixed dense and MoE stacks
 
 
