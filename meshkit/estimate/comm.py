@@ -181,8 +181,9 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
             add("tp", "all_reduce", "TP: o/down outputs (fwd), attention/MLP input grads (bwd), recompute",
                 m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
-        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows of
-            add("tp", "all_reduce", "row-selected weights (replicated K/V, packed projections): gradients",
+        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows or heads of
+            add("tp", "all_reduce", "whole weights with partial gradients (replicated K/V, packed projections, "
+                "MLA latents)",
                 workload.calls(plan) * state.tp_partial_tensors,
                 state.tp_partial_elements * 4 / state.tp_partial_tensors, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights

@@ -94,6 +94,8 @@ _TP_DIMS = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("kv_colwise", "we
 
 
 # Roles of layers whose weight `tensor_parallel.rows` keeps whole and row-selects (when not split).
+# Like MLA's "latent" layers (whole on every tp rank, each serving its own heads), their gradients
+# are partial over tp.
 _ROW_SELECTED = ("kv_colwise", "packed_qkv", "packed_gate_up")
 
 
@@ -212,7 +214,8 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
             tied_copy = local
         held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
         held_total += held
-        if plan.tp > 1 and spec.unit == "block" and spec.role in _ROW_SELECTED and spec.tp_dim is None:
+        if plan.tp > 1 and spec.unit == "block" and (spec.role in _ROW_SELECTED and spec.tp_dim is None
+                                                     or spec.role == "latent"):
             partial_tensors, partial_elements = partial_tensors + count, partial_elements + held
         zero["DDP"] += 16.0 * held
         zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
