@@ -52,7 +52,7 @@ _ROLE_PART = {("colwise", "attention"): "qkv_proj", ("kv_colwise", "attention"):
               ("packed_qkv", "attention"): "qkv_proj", ("rowwise", "attention"): "o_proj",
               ("colwise", "mlp"): "gate_up_proj", ("packed_gate_up", "mlp"): "gate_up_proj", ("rowwise", "mlp"): "down_proj",
               ("attention", ""): "attention", ("mlp", ""): "mlp_act", ("head_norm", "attention"): "attention",
-              ("row_norm", "attention"): "attention"}
+              ("row_norm", "attention"): "attention", ("latent", "attention"): "qkv_proj"}
 
 
 # ---------------------------------------------------------------------------------- the traces

@@ -197,8 +197,9 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("tp", "all_reduce", "LoRA A (column bases) / B (row bases) gradients",
                 workload.calls(plan) * state.adapter_partial_tensors,
                 state.adapter_partial_elements * act / state.adapter_partial_tensors, t, None)
-        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows of
-            add("tp", "all_reduce", "row-selected weights (replicated K/V, packed projections): gradients",
+        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows or heads of
+            add("tp", "all_reduce", "whole weights with partial gradients (replicated K/V, packed projections, "
+                "MLA latents)",
                 workload.calls(plan) * state.tp_partial_tensors,
                 state.tp_partial_elements * 4 / state.tp_partial_tensors, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights

@@ -210,11 +210,15 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     heads, d_qk, d_v = roles.score_value_dims(config)
     # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block
     # transfer (FSDP's gather of the next block) can hide behind.
+    # MLA's down-projections run whole on every tp rank: (tp - 1) more copies of their FLOPs, per rank 1/tp
+    replicated = 2 * roles.tp_replicated_params(config) * (plan.tp - 1)
     mean_active = _mean_active_params(config)
-    t_layer_fwd = (2 * mean_active + 2 * heads * (d_qk + d_v) * workload.seq) * share
-    t_layer_rec = flops.recompute * share / config.num_hidden_layers
-    t_stage_fwd = flops.model / 3 * share / plan.pp
-    t_stage_rec = flops.recompute * share / plan.pp
+    t_layer_fwd = (2 * mean_active + replicated + 2 * heads * (d_qk + d_v) * workload.seq) * share
+    t_layer_rec = (flops.recompute / config.num_hidden_layers
+                   + replicated * (plan.activation_checkpointing == "full")) * share
+    t_stage_fwd = (flops.model / 3 + replicated * config.num_hidden_layers) * share / plan.pp
+    t_stage_rec = (flops.recompute + replicated * config.num_hidden_layers * (plan.activation_checkpointing == "full")
+                   ) * share / plan.pp
     state0 = model_state(config, plan, pp_rank=stage_ranks(plan)[-1])
     comm = communication(config, plan, workload, device, state0, t_layer_fwd, t_layer_rec)
     sim = None

@@ -114,6 +114,8 @@ def _grad_free_edges(specs: tuple[ParamSpec, ...], kind_count: dict[str, int], f
 
 
 # Roles of layers whose weight `tensor_parallel.rows` keeps whole and row-selects (when not split).
+# Like MLA's "latent" layers (whole on every tp rank, each serving its own heads), their gradients
+# are partial over tp.
 _ROW_SELECTED = ("kv_colwise", "packed_qkv", "packed_gate_up")
 
 
@@ -244,8 +246,8 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
             trained, trained_tensors, trained_held = trained + local, trained_tensors + count, trained_held + held
         if plan.tp > 1 and (spec.adapter, spec.role) in _PARTIAL_ADAPTERS:
             adapter_tensors, adapter_elements = adapter_tensors + count, adapter_elements + held
-        if plan.tp > 1 and spec.unit == "block" and spec.role in _ROW_SELECTED and spec.tp_dim is None \
-                and not spec.adapter:
+        if plan.tp > 1 and spec.unit == "block" and not spec.adapter and (
+                spec.role in _ROW_SELECTED and spec.tp_dim is None or spec.role == "latent"):
             partial_tensors, partial_elements = partial_tensors + count, partial_elements + held
         if spec.trainable:
             zero["DDP"] += 16.0 * held

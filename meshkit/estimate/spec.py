@@ -209,7 +209,8 @@ class ModelState:
     held_elements: int = 0       # elements of this rank's parameters before FSDP shards them (TP/ep-local)
     block_units: tuple[BlockUnits, ...] = ()  # the rank's blocks by kind (dense, moe)
     # Weights TP keeps whole on every tp rank, each rank computing only its rows (replicated K/V heads,
-    # packed projections: tensor_parallel.rows): their gradients are Partial, all-reduced over tp.
+    # packed projections: tensor_parallel.rows) or serving only its heads (MLA's latent layers): their
+    # gradients are Partial, all-reduced over tp.
     tp_partial_tensors: int = 0
     tp_partial_elements: int = 0  # their elements on this rank before FSDP shards them
     tensors: int = 0  # parameter tensors on this rank

@@ -35,6 +35,7 @@ from meshkit.tensor_parallel.local import (
     apply_local_block,
     apply_local_norm,
     block_runs_local,
+    latent_attention_layers,
 )
 from meshkit.tensor_parallel.lora import apply_adapter_style
 from meshkit.tensor_parallel.rows import apply_selected_rows
@@ -126,7 +127,9 @@ def apply_tensor_parallel(
         rows = roles_lib.selected_rows(roles, parts.config, tp_mesh.size(), rank)
         apply_selected_rows(block, rows, tp_mesh)
         roles_lib.localize_head_counts(block, roles, parts.config, tp_mesh.size())
-        kept = {name: role for name, role in roles.items() if name not in rows}
+        latent = latent_attention_layers(roles)
+        apply_local_block(block, latent, tp_mesh, sequence_parallel)
+        kept = {name: role for name, role in roles.items() if name not in rows and name not in latent}
         if local and not rows and block_runs_local(kept, block):
             # its linears return fresh tensors (no DTensor views), which HF may edit in place
             apply_local_block(block, kept, tp_mesh, sequence_parallel)

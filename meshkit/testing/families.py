@@ -66,26 +66,11 @@ def family_spec(kind: str, **fields) -> ModelSpec:
     return ModelSpec(**{"kind": kind, "extra": FAMILY_FIELDS[kind], **defaults, **fields})
 
 
-def ring_refusal(kind: str, seq: int) -> str | None:
-    """The phrase meshkit's refusal of the ring kinds of CP contains for this family, or None."""
-    fields = dict(FAMILY_FIELDS[kind])
-    if fields.get("attn_logit_softcapping"):
-        return "attn_logit_softcapping"
-    if fields.get("sliding_window") and seq > fields["sliding_window"]:
-        return "sliding window"
-    return None
-
-
-def plan_refusal(kind: str, shape: str, seq: int) -> tuple[str, str] | None:
+def plan_refusal(kind: str, shape: str) -> tuple[str, str] | None:
     """(a phrase of the reason, a phrase of the fix) meshkit's refusal of family `kind` under the family
-    test's plan shape `shape` contains, or None when meshkit runs it."""
-    if shape in ("ring", "zigzag"):
-        phrase = ring_refusal(kind, seq)
-        return None if phrase is None else (phrase, "cp_attention='ulysses'")
+    test's plan shape `shape` contains, or None when meshkit runs it (only LoRA refuses families)."""
     if shape == "lora" and kind == "deepseek_v3":  # PEFT turns the MLP targets into the experts' parameters
         return "target_parameters", "target_parameters=None"
-    if shape == "tp" and dict(FAMILY_FIELDS[kind]).get("kv_lora_rank"):
-        return "multi-head latent attention", "the largest tp that works is 1"
     if shape == "lora" and kind in _PACKED:
         return _PACKED[kind], "leave it out of target_modules"
     return None
