@@ -33,6 +33,7 @@ BENCHMARKS = [
     ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),
     ("data", ["--out", str(RESULTS / "data.md")], True),
     ("memory", ["--out", str(RESULTS)], False),
+    ("lora", ["--out", str(RESULTS / "lora.md")], True),
     ("charts", ["--out", str(RESULTS)], False),  # after context_parallel: plots its measured memory table
     ("gpu_mfu", [], True),  # prints "no CUDA device: skipped" without a GPU
 ]

@@ -44,8 +44,16 @@ class CausalLMParts:
 
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF `*ForCausalLM` of `model`: itself, or the one a PEFT `PeftModel` wraps (`get_base_model`),
+    whose targeted linears are LoRA layers. Structure is read from it, state-dict names from `model`."""
+    unwrap = getattr(model, "get_base_model", None)
+    return unwrap() if callable(unwrap) and isinstance(getattr(model, "peft_config", None), dict) else model
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise a ValueError naming what is missing when `model` is not a Llama-family causal LM."""
+    model = causal_lm(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     inner = getattr(model, "model", None)
@@ -76,6 +84,7 @@ def check_supported(model: nn.Module) -> None:
 
 def parts(model: nn.Module) -> CausalLMParts:
     """The model's parts, after `check_supported`."""
+    model = causal_lm(model)
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
     return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied,
@@ -95,8 +104,10 @@ def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
         return {}
     weight = p.embed.weight
     copy = weight.detach().clone() if keep_copy else torch.empty_like(weight, device="meta")
-    model.lm_head.weight = nn.Parameter(copy, requires_grad=weight.requires_grad)
-    return {"lm_head.weight": "model.embed_tokens.weight"}
+    lm = causal_lm(model)
+    lm.lm_head.weight = nn.Parameter(copy, requires_grad=weight.requires_grad)
+    prefix = next(f"{name}." if name else "" for name, module in model.named_modules() if module is lm)
+    return {f"{prefix}lm_head.weight": f"{prefix}model.embed_tokens.weight"}
 
 
 

@@ -170,7 +170,7 @@ def block_roles(block: nn.Module, config) -> dict[str, str]:
     for name, style in declared_block_plan(config).items():
         if name not in modules or (mlp_is_moe and name.startswith("mlp")) or name in latent:
             continue
-        module = modules[name]
+        module = getattr(modules[name], "base_layer", modules[name])  # a PEFT LoRA layer: the linear it wraps
         if style == "replicated_with_grad_allreduce":
             roles[name] = "head_norm"
             continue

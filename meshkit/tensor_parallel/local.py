@@ -15,7 +15,9 @@ clipping and state dicts see nothing different) but runs the block on their loca
 - while a sharded module runs, its DTensor parameters are swapped for their local shards with
   `to_local(grad_placements=...)`: a colwise / rowwise weight's local gradient is its shard's
   gradient; a norm on the sequence shard gets a Partial gradient (each rank saw other tokens),
-  which FSDP's reduce-scatter or `place_grads_like_params` sums over tp as before.
+  which FSDP's reduce-scatter or `place_grads_like_params` sums over tp as before. A PEFT LoRA layer's
+  base, A and B are each placed and run this way by `tensor_parallel.lora.linear_shards` (the
+  replicated half with a Partial gradient), so the rowwise reduction sums base and adapter at once.
 
 Bytes and the memory layout are those of the DTensor path (same collectives, same sizes, norms on
 1/tp of the tokens). Used for blocks whose roles are plain colwise / rowwise / seq_norm / attention
@@ -41,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter
+from meshkit.tensor_parallel.lora import COLUMN_ROLES, linear_base, linear_shards
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp", "latent"})
 
@@ -145,7 +148,7 @@ def block_runs_local(roles: dict[str, str], block: nn.Module) -> bool:
         return False
     modules = dict(block.named_modules())
     for name, role in roles.items():
-        module = modules[name]
+        module = linear_base(modules[name])  # a LoRA layer is judged by the linear it wraps
         if role in ("colwise", "kv_colwise", "rowwise") and not isinstance(module, nn.Linear):
             return False
         if role == "rowwise" and module.bias is not None:
@@ -195,9 +198,13 @@ def apply_local_block(block: nn.Module, roles: dict[str, str], mesh: DeviceMesh,
     leave = reduce_scatter_sequence if sequence_parallel else all_reduce_partial
     for name, role in roles.items():
         module = modules[name]
-        if role in ("colwise", "kv_colwise"):
-            _distribute(module, mesh, lambda _: Shard(0))
-            _run_on_local_params(module, None)
+        if role in COLUMN_ROLES or role == "rowwise" and linear_base(module) is not module:
+            # a plain column linear, or a LoRA layer's base, A and B (`tensor_parallel.lora`), each on its shard
+            for linear, placement, grads in linear_shards(module, role):
+                _distribute(linear, mesh, lambda _, p=placement: p)
+                _run_on_local_params(linear, grads)
+            if role == "rowwise":  # the adapter's partial joins the base's before the one reduction
+                module.register_forward_hook(lambda m, args, out: leave(out, mesh))
         elif role == "rowwise":
             _distribute(module, mesh, lambda leaf: Shard(1) if leaf == "weight" else Replicate())
             # A replicated bias joins once, after the sum: on this rank's tokens under SP (a partial

@@ -131,15 +131,16 @@ def _estimated_activations(config, *, batch: int, seq: int, tp: int, ac: str, dt
 # --------------------------------------------------------------------------- single process
 
 
-def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -> int:
-    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss."""
+def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype, wrap=lambda model: model) -> int:
+    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss;
+    `wrap` makes the model what it trains (a PEFT LoRA model)."""
     from meshkit.activation_checkpoint import apply_activation_checkpointing
     from meshkit.models import llama
     from meshkit.models.stage import CausalLMStage
     from meshkit.step import loss as loss_lib
 
     torch.manual_seed(0)
-    model = _model(config).to(dtype)
+    model = wrap(_model(config)).to(dtype)
     acts.pin_attention(model)
     parts = llama.parts(model)
     stage = CausalLMStage(dict(enumerate(apply_activation_checkpointing(parts.blocks, ac))), parts.rotary,

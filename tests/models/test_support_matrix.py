@@ -1,6 +1,6 @@
 """The README's model-family table stays true: one row per supported model type, every cell "tested"
-(a case of tests/models/test_families.py, which runs every family under every plan shape; meshkit
-refuses none) or "n/a (dense)" in the EP column of a dense family."""
+(a case of tests/models/test_families.py), "refused..." where meshkit refuses the family under that
+shape (only LoRA does: `families.plan_refusal`), or "n/a (dense)" in the EP column of a dense family."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 from test_families import PLANS
 
 from meshkit.models.llama import SUPPORTED_MODEL_TYPES
-from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS
+from meshkit.testing.families import FAMILY_FIELDS, MOE_KINDS, plan_refusal
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 COLUMNS = {"TP/SP x FSDP": ("tp",), "CP ring, zigzag": ("ring", "zigzag"), "CP ulysses": ("ulysses",),
-           "PP x FSDP": ("pp",), "EP x FSDP": ("ep",)}
+           "PP x FSDP": ("pp",), "EP x FSDP": ("ep",), "LoRA (TP/SP x FSDP)": ("lora",)}
 ELSEWHERE = ("mixtral", "qwen3_moe")  # MoE models tested in tests/expert_parallel
 
 
@@ -48,5 +48,9 @@ def test_cells_say_what_the_tests_run():
             if shapes == ("ep",) and kind not in MOE_KINDS:
                 assert cell == "n/a (dense)", f"{kind} x {column}: a dense model has no experts, README says {cell!r}"
                 continue
-            assert all(shape in PLANS for shape in shapes), column
-            assert cell == "tested", f"{kind} x {column}: the family test runs it, README says {cell!r}"
+            for shape in shapes:
+                assert shape in PLANS, column
+                if plan_refusal(kind, shape) is not None:
+                    assert cell.startswith("refused"), f"{kind} x {column}: meshkit refuses it, README says {cell!r}"
+                else:
+                    assert cell == "tested", f"{kind} x {column}: the family test runs it, README says {cell!r}"
