@@ -24,6 +24,8 @@ from meshkit.data_parallel.fsdp import reshard_fsdp
 from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.inference import forward, generate
+from meshkit.integrations.peft import export as peft_export
+from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
 from meshkit.pipeline.costs import PlanSchedules
 from meshkit.pipeline.p2p import TensorMeta
@@ -91,7 +93,7 @@ class ParallelModel:
         # all-reduce, parameters in name order) and the norm counts the down pipeline's copy only.
         self._mirror_group, self._mirror_params = sharded.mirror_group, []
         if self._mirror_group is not None:
-            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held]
+            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held and p.requires_grad]
             self._not_in_norm |= {id(p) for s, part in stages.items() if s >= plan.pp for p in part.parameters()}
         # Router auxiliary terms (meshkit MoE coefficients, HF's output_router_logits): weights and values.
         self._aux = AuxLosses(model, self.model_parts, mesh, plan.microbatches)
@@ -415,14 +417,21 @@ class ParallelModel:
         return checkpoint.load(path, self, optimizer, **kwargs)
 
     def load_hf_checkpoint(self, directory, strict: bool = True) -> None:
-        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
-        hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
+        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds.
+        A LoRA model takes its base model's directory or a PEFT adapter directory (`peft.export`)."""
+        lora = peft_model.is_peft_model(self.model)
+        (peft_export.load_hf if lora else hf_checkpoint.load_hf_checkpoint)(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB",
+                           merge: bool = False) -> None:
         """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
         given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
-        Only rank 0 assembles the full state and writes; every rank calls it."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        Only rank 0 assembles the full state and writes; every rank calls it. A LoRA model writes its
+        adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        if merge or peft_model.is_peft_model(self.model):
+            peft_export.save_hf(self, directory, merge=merge, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        else:
+            hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
