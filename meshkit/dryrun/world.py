@@ -12,7 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from typing import Any
 
 from meshkit.dryrun.rank import RankRun, run_rank
@@ -41,11 +41,16 @@ def in_processes(fn: Callable[..., Any], calls: Sequence[tuple], *, jobs: int = 
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(_PRELOAD)
     results: dict[int, Any] = {}
-    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(calls))), mp_context=context,
-                             max_tasks_per_child=1) as pool:
-        futures = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(calls)))) as pool:
+        futures = {pool.submit(_in_a_fresh_process, context, fn, args): i for i, args in enumerate(calls)}
         for future in as_completed(futures):
             results[futures[future]] = future.result()
             if done is not None:
                 done(results[futures[future]])
     return [results[i] for i in range(len(calls))]
+
+
+def _in_a_fresh_process(context: Any, fn: Callable[..., Any], args: tuple) -> Any:
+    """`fn(*args)` in a child of its own (Python 3.10 has no `max_tasks_per_child`)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as one:
+        return one.submit(fn, *args).result()

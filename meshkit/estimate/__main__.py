@@ -8,8 +8,14 @@ from __future__ import annotations
 import sys
 
 from meshkit.estimate.core import estimate
-from meshkit.estimate.report import add_plan_args, build_parser, device_from_args, plan_and_workload, render
-from meshkit.estimate.spec import load_config
+from meshkit.estimate.report import (
+    add_plan_args,
+    build_parser,
+    config_from_args,
+    device_from_args,
+    plan_and_workload,
+    render,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_args(parser)
     parser.add_argument("--no-flop-check", action="store_true", help="skip the FlopCounterMode cross-check")
     args = parser.parse_args(argv)
-    config = load_config(args.model)
+    config = config_from_args(args)
     plan, workload = plan_and_workload(args)
     print(render(estimate(config, plan, args.world, workload, device_from_args(args)), not args.no_flop_check))
     return 0

@@ -26,6 +26,7 @@ from meshkit.estimate.inflight import (
 )
 from meshkit.estimate.memory import (
     block_activations,
+    edge_ranks,
     model_state,
     param_specs,
     recompute_working_set,
@@ -116,7 +117,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     state = model_state(config, plan, pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
-    last = pp_rank == stage_ranks(plan)[-1]
+    last = pp_rank in edge_ranks(plan)[1]
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
     stages = stage_kinds(config, plan)[pp_rank]
     on_rank = sorted({k for stage in stages for k in stage})

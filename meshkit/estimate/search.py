@@ -18,23 +18,29 @@ what dominated it, or that the global batch is too small for its data-parallel d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import transformers
 from tqdm.auto import tqdm
 
 from meshkit.dryrun import dry_run
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, estimate
-from meshkit.estimate.report import build_parser, device_from_args, parse_tokens
-from meshkit.estimate.spec import DEVICES, Device, GiB, Workload, load_config
+from meshkit.estimate.report import build_parser, config_from_args, device_from_args, parse_tokens
+from meshkit.estimate.spec import DEVICES, Device, GiB, Workload, config_from_key, config_key
+from meshkit.integrations.peft import model as peft_model
+from meshkit.models.moe import convert_moe_blocks
 from meshkit.plan import Plan, PlanError
 
 AC_ORDER = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
-SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1))
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1),
+                      ("dualpipe", 1), ("zb_auto", 1))
 
 
 def budget(device: Device, fraction: float = 0.9) -> float:
@@ -43,8 +49,26 @@ def budget(device: Device, fraction: float = 0.9) -> float:
 
 
 def check_structure(plan: Plan, config: Any, world: int, seq: int) -> None:
-    """`plan.validate`: divisibility, heads, vocab and sequence length for this model and world."""
+    """`plan.validate`: divisibility, heads, vocab and sequence length for this model and world; for
+    a LoRA model also whether every adapter can follow its base under the plan's tp."""
     plan.validate(config, world, seq)
+    if peft_model.lora_of(config) is not None and plan.tp > 1:
+        problems = _lora_tp_problems(config_key(config), plan.tp)
+        if problems:
+            raise PlanError.of(*problems)
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_tp_problems(config_json: str, tp: int) -> tuple[str, ...]:
+    """What `parallelize` would refuse of a LoRA model's adapters under `tp`, on a one-block meta model
+    of the config (cached: a search asks once per layout)."""
+    cfg = config_from_key(config_json)
+    cfg.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if moe.model_experts(cfg) is not None:
+        convert_moe_blocks(model)
+    return tuple(peft_model.tp_problems(peft_model.wrap(model, cfg), tp))
 
 
 @dataclass(frozen=True)
@@ -284,7 +308,7 @@ def render(result: SearchResult, limit: float, world: int) -> str:
     return "\n".join(lines)
 
 
-def verify(result: SearchResult, config: Any, world: int, limit: float, k: int, *, jobs: int = 1) -> str:
+def verify_by_dry_run(result: SearchResult, config: Any, world: int, limit: float, k: int, *, jobs: int = 1) -> str:
     """The `k` fastest plans run by the dry run (`meshkit.dryrun`: meshkit's real step as the first,
     middle and last pipeline rank of a fake world), each rank's measured peak beside the estimate and
     the budget, and whether its collectives equal the estimate's byte for byte."""
@@ -296,7 +320,7 @@ def verify(result: SearchResult, config: Any, world: int, limit: float, k: int, 
         for r in run.ranks:
             measured = r.run.measured.peak.bytes
             diffs = r.collective_differences
-            lines.append(f"  {i:>2} {r.run.rank:>6} {r.estimate.peak_bytes / GiB:>13.2f} {measured / GiB:>13.2f}  "
+            lines.append(f"  {i:>2} {r.run.rank:>6} {r.estimate.peak_bytes / GiB:>13.4g} {measured / GiB:>13.4g}  "
                          f"{'yes' if measured <= limit else 'NO':<5} "
                          f"{'equal' if not diffs else 'differ: ' + '; '.join(diffs)}  {c.describe()}")
     return "\n".join(lines)
@@ -313,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the K fastest plans through the dry run (python -m meshkit.dryrun)")
     parser.add_argument("--jobs", type=int, default=1, help="dry-run ranks simulated at once (with --verify)")
     args = parser.parse_args(argv)
-    config = load_config(args.model)
+    config = config_from_args(args)
     device = device_from_args(args)
     result = search(config, args.world, args.seq, parse_tokens(args.global_batch_tokens), device,
                     top=args.top, mfu=args.mfu,
@@ -323,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = budget(device, args.memory_fraction)
     print(render(result, limit, args.world), flush=True)
     if args.verify:
-        print(verify(result, config, args.world, limit, args.verify, jobs=args.jobs))
+        print(verify_by_dry_run(result, config, args.world, limit, args.verify, jobs=args.jobs))
     return 0
 
 

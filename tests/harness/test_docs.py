@@ -136,7 +136,7 @@ def test_every_documented_recipe_command_parses_and_its_config_passes_the_prefli
         words = shlex.split(command)
         launcher, args = words[:words.index("recipes/train_llama.py")], words[words.index("recipes/train_llama.py") + 1:]
         parsed = train_config.build_parser().parse_args(args)
-        if parsed.dry_run:  # a fake world of --world ranks in one plain process (meshkit.dryrun)
+        if parsed.check or parsed.dry_run:  # one process, N ranks checked or simulated (no torchrun)
             assert "torchrun" not in " ".join(launcher) and parsed.world, (where, command)
             per_node, nodes = parsed.world, 1
         else:
