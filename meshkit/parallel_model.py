@@ -237,6 +237,7 @@ class ParallelModel:
         with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
             share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+            del logits  # vocabulary-wide, alive through backward otherwise (found by the dry run)
             hf_aux = self._aux.hf_term(weight)
             if hf_aux is None:
                 share.backward()
@@ -425,9 +426,8 @@ class ParallelModel:
     def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB",
                            merge: bool = False) -> None:
         """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
-        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
-        Only rank 0 assembles the full state and writes; every rank calls it. A LoRA model writes its
-        adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template; rank 0
+        alone writes. A LoRA model writes its adapter as PEFT does, or with `merge=True` the merged model."""
         if merge or peft_model.is_peft_model(self.model):
             peft_export.save_hf(self, directory, merge=merge, tokenizer=tokenizer, max_shard_size=max_shard_size)
         else:

@@ -33,8 +33,9 @@ from meshkit import metrics
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.comm import Collective, communication
-from meshkit.estimate.memory import RankMemory, model_state, rank_memory, stage_ranks
+from meshkit.estimate.memory import model_state, stage_ranks
 from meshkit.estimate.offload import OffloadCost, offload_cost
+from meshkit.estimate.peak import RankMemory, rank_memory
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama, roles

@@ -28,6 +28,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from meshkit.dryrun import dry_run
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, estimate
 from meshkit.estimate.report import build_parser, config_from_args, device_from_args, parse_tokens
@@ -208,7 +209,7 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                                 break
                             same = on_device.get((zero, grad_sync))
                             if offload != "none" and same is not None and \
-                                    same.peak - same.state.persistent > limit:
+                                    same.peak - same.state_at_peak > limit:
                                 continue  # offload moves exactly the persistent state off the device
                             plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind,
                                                        zero=zero, grad_sync=grad_sync, offload=offload)
@@ -273,7 +274,7 @@ def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str, str]]
 
 def _dominant(e: Estimate) -> str:
     mem = e.memory
-    terms = {"model state": mem.state.persistent - mem.offloaded, "activations": mem.activations,
+    terms = {"model state": mem.state_at_peak, "activations": mem.activations,
              "transients": mem.transient + mem.fsdp_buffers}
     top = max(terms, key=terms.get)
     w = e.workload
@@ -307,6 +308,24 @@ def render(result: SearchResult, limit: float, world: int) -> str:
     return "\n".join(lines)
 
 
+def verify_by_dry_run(result: SearchResult, config: Any, world: int, limit: float, k: int, *, jobs: int = 1) -> str:
+    """The `k` fastest plans run by the dry run (`meshkit.dryrun`: meshkit's real step as the first,
+    middle and last pipeline rank of a fake world), each rank's measured peak beside the estimate and
+    the budget, and whether its collectives equal the estimate's byte for byte."""
+    lines = [f"\nverified by the dry run (the real step on a fake world of {world}), the {k} fastest:",
+             f"  {'#':>2} {'rank':>6} {'estimate GiB':>13} {'measured GiB':>13}  {'fits':<5} collectives"]
+    for i, c in enumerate(result.plans[:k], 1):
+        run = dry_run(config, c.plan, world, c.workload, jobs=jobs,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+        for r in run.ranks:
+            measured = r.run.measured.peak.bytes
+            diffs = r.collective_differences
+            lines.append(f"  {i:>2} {r.run.rank:>6} {r.estimate.peak_bytes / GiB:>13.4g} {measured / GiB:>13.4g}  "
+                         f"{'yes' if measured <= limit else 'NO':<5} "
+                         f"{'equal' if not diffs else 'differ: ' + '; '.join(diffs)}  {c.describe()}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.",
@@ -314,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="run the K fastest plans through the dry run (python -m meshkit.dryrun)")
+    parser.add_argument("--jobs", type=int, default=1, help="dry-run ranks simulated at once (with --verify)")
     args = parser.parse_args(argv)
     config = config_from_args(args)
     device = device_from_args(args)
@@ -322,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                     memory_fraction=args.memory_fraction, progress=True)
     print(f"model {args.model}, {args.world} x {device.name}, seq {args.seq}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, assumed compute efficiency {args.mfu:.0%}")
-    print(render(result, budget(device, args.memory_fraction), args.world))
+    limit = budget(device, args.memory_fraction)
+    print(render(result, limit, args.world), flush=True)
+    if args.verify:
+        print(verify_by_dry_run(result, config, args.world, limit, args.verify, jobs=args.jobs))
     return 0
 
 

@@ -168,6 +168,7 @@ class ParamSpec:
     tp_summed: bool = False  # an MoE weight TP leaves whole: its gradient is all-reduced over tp
     kind: str = "dense"  # block and expert tensors: the kind of block ("dense" or "moe") they belong to
     role: str = ""  # the TP role of the layer holding it (models/roles.block_roles), "" outside blocks
+    owner: str = ""  # the module holding it, within its block ("self_attn.q_proj"), "" outside blocks
     trainable: bool = True  # False: frozen (a LoRA model's base), no gradient and no optimizer state
     adapter: str = ""  # "lora_A" / "lora_B": a LoRA adapter tensor (placed by `tensor_parallel.lora`)
     attention: bool = False  # an adapter of an attention linear
