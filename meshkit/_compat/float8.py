@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from types import ModuleType
-
-import torch
 
 
 class _TorchaoImportNoise(logging.Filter):
@@ -25,8 +24,9 @@ class _TorchaoImportNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "torchao":
             message = record.getMessage()
-            return not (torch.version.cuda is None and message.startswith("Failed to load")
-                        and "/torchao/_C_" in message)
+            torch = sys.modules.get("torch")  # imported by torchao already; this module stays light for `import meshkit`
+            cpu_build = torch is not None and torch.version.cuda is None
+            return not (cpu_build and message.startswith("Failed to load") and "/torchao/_C_" in message)
         args = record.args if isinstance(record.args, tuple) else ()
         enum_from_torchao = bool(args) and isinstance(args[0], type) and args[0].__module__.startswith("torchao")
         return not (enum_from_torchao and "is an Enum subclass" in str(record.msg))

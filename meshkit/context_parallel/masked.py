@@ -14,9 +14,8 @@ eager attention define them:
 The scores are explicit ([B, H, S, S] per call) and differentiated by plain autograd: exact, but
 memory grows with S^2, unlike the fused kernels the plain causal path uses. Under context
 parallelism Ulysses runs it (each rank sees whole sequences for a slice of heads, and their sinks);
-the ring kinds merge blocks by log-sum-exp, so `llama.check_config` refuses them for windows shorter
-than the sequence and soft-capping, while sinks alone (one term in the merged denominator) run in
-every merging kind on the fused kernels (`ring.add_sinks_`).
+the kinds that merge blocks by log-sum-exp apply the same quirks per block instead (`scores.py`:
+band masks and soft-capped explicit scores; `ring.add_sinks_` after the merge).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def quirk_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
     """Causal attention over whole sequences with the quirks above; [B, H, S, D] in and out.
 
     Keys longer than queries (decoding with a KV cache) align bottom-right: the queries are the last
-    positions of the key sequence.
+    positions of the key sequence, and `doc_ids_BS` then covers the keys.
     """
     B, H, S, D = q_BHSD.shape
     Sk = k_BHSD.shape[2]
@@ -48,8 +47,8 @@ def quirk_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
     if sliding_window:
         keep = keep & (diff_SS < sliding_window)
     keep = keep[None, None]
-    if doc_ids_BS is not None:
-        keep = keep & (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :])[:, None]
+    if doc_ids_BS is not None:  # the documents of every key; the queries are the last S of them
+        keep = keep & (doc_ids_BS[:, Sk - S:, None] == doc_ids_BS[:, None, :])[:, None]
     s_BHSS = s_BHSS.masked_fill(~keep, -math.inf)
     if sinks_H is not None:
         sink_BHS1 = sinks_H.to(s_BHSS.dtype).reshape(1, H, 1, 1).expand(B, H, S, 1)

@@ -37,6 +37,7 @@ from meshkit._compat.dispatch import fake_tensor_mode, storage_key
 from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate.spec import config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
+from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import quirks as quirks_lib
 from meshkit.models.hf_moe import identity_stand_in
@@ -51,7 +52,7 @@ _ROLE_PART = {("colwise", "attention"): "qkv_proj", ("kv_colwise", "attention"):
               ("packed_qkv", "attention"): "qkv_proj", ("rowwise", "attention"): "o_proj",
               ("colwise", "mlp"): "gate_up_proj", ("packed_gate_up", "mlp"): "gate_up_proj", ("rowwise", "mlp"): "down_proj",
               ("attention", ""): "attention", ("mlp", ""): "mlp_act", ("head_norm", "attention"): "attention",
-              ("row_norm", "attention"): "attention"}
+              ("row_norm", "attention"): "attention", ("latent", "attention"): "qkv_proj"}
 
 
 # ---------------------------------------------------------------------------------- the traces
@@ -100,7 +101,8 @@ def build_block(config_json: str, tp: int, vocab: int | None, dtype: str) -> tup
     """A one-block model of the TP-local shapes, as fake CPU tensors; cached per shape."""
     cfg = local_config(config_from_key(config_json), tp, vocab)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
+        # a LoRA model's block as PEFT wraps it (frozen base, adapters at the TP-local shapes)
+        model = peft_model.wrap(transformers.AutoModelForCausalLM.from_config(cfg), cfg).to(DTYPES[dtype])
     llama.check_supported(model)
     pin_attention(model)
     spec = moe_spec(cfg)  # routing is data-dependent: estimate.moe measures the MoE layer itself
@@ -265,14 +267,16 @@ def head_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence
 def loss_transient(config: Any, *, batch: int, seq: int, tp: int = 1, loss_parallel: bool = True,
                    dtype: str = "bfloat16") -> int:
     """Extra bytes while the loss's backward starts: the fp32 gradient of the log-softmax output and
-    the fp32 gradient of its input exist together with the saved fp32 log-probabilities.
+    the fp32 gradient of its input exist together with the saved fp32 log-probabilities; the
+    vocab-parallel loss (DTensor's, tp > 1) builds its input gradient from a zeroed buffer and the
+    exponentiated log-probabilities, three fp32 logits-sized buffers at once (measured by the dry run).
 
     The forward transient (activation-dtype logits plus their fp32 copy, freed after log-softmax)
     is smaller whenever the activation dtype is at most 4 bytes, so the backward one is the peak.
     """
     trace = trace_head(config, seq, tp, loss_parallel, dtype)
     elements = trace.logits // DTYPES[dtype].itemsize
-    return batch * 8 * elements
+    return batch * (12 if loss_parallel and tp > 1 else 8) * elements
 
 
 def korthikanti_bytes(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,

@@ -1,4 +1,4 @@
-"""Memory of one rank at its peak: model state from the real parameter shapes, activations, buffers.
+"""What one rank holds: model state from the real parameter shapes, and activations per block.
 
 Model state follows what FSDP2 keeps: the *sharded* fp32 parameters (they are the master weights),
 sharded fp32 gradients (meshkit reduces in fp32) and AdamW's two fp32 moments, 16 bytes per parameter
@@ -8,7 +8,7 @@ DDP/ZeRO-1/2/3 figures are kept beside it for comparison.
 
 Activations are composed here, dense and MoE in one place: the traced part of a block
 (`activations`) plus, for MoE blocks, the measured MoE layer (`moe`), scaled by the in-flight
-microbatches the pipeline simulator reports.
+microbatches the pipeline simulator reports. `peak` composes them into the rank's peak.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,15 +28,14 @@ from meshkit.estimate.spec import (
     BlockUnits,
     ModelState,
     ParamSpec,
-    Workload,
     config_from_key,
     config_key,
-    dtype_bytes,
 )
-from meshkit.estimate.zero import gathered_bytes, zero_memory
+from meshkit.integrations.peft import model as peft_model
+from meshkit.integrations.peft.layers import owner_and_part
 from meshkit.models import llama, roles
 from meshkit.models.moe import convert_moe_blocks
-from meshkit.pipeline.schedules import stage_placement
+from meshkit.pipeline.schedules import stage_chunks, stage_placement
 from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
 
@@ -47,12 +45,26 @@ def stage_ranks(plan: Plan) -> tuple[int, ...]:
     return stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
 
 
+def chunk_of_stage(plan: Plan) -> tuple[int, ...]:
+    """The chunk of layers every stage runs (DualPipe: each of its pp chunks as two stages)."""
+    return stage_chunks(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
+
+
+def edge_ranks(plan: Plan) -> tuple[set[int], set[int]]:
+    """(the pp ranks holding the embedding, those holding the norm and LM head): the ranks of the stages
+    running the first and the last chunk (rank 0 and pp-1 under DualPipe hold both)."""
+    chunks, owner = chunk_of_stage(plan), stage_ranks(plan)
+    return ({owner[s] for s, c in enumerate(chunks) if c == 0},
+            {owner[s] for s, c in enumerate(chunks) if c == max(chunks)})
+
+
 def stage_layers(config: Any, plan: Plan) -> list[list[range]]:
     """Decoder-block indices of each of a rank's stages, per pipeline rank, from meshkit's own split
-    (the embedding and the head count as a layer each, so the first and last stages get fewer blocks)."""
-    v = plan.pp_stages_per_rank if plan.pp > 1 else 1
-    ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
-    return [[ranges[s] for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
+    (the embedding and the head count as a layer each, so the first and last stages get fewer blocks).
+    Under DualPipe each rank runs two chunks: every block is on two ranks (2x parameter memory)."""
+    chunks = chunk_of_stage(plan)
+    ranges = split_layers(config.num_hidden_layers, max(chunks) + 1, list(plan.pp_split) or None)
+    return [[ranges[chunks[s]] for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
 
 
 def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
@@ -77,9 +89,29 @@ def stage_kinds(config: Any, plan: Plan) -> list[list[dict[str, int]]]:
 # when tp divides the K/V heads (`_tp_dim`).
 _TP_DIMS = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("kv_colwise", "weight"): 0, ("kv_colwise", "bias"): 0,
             ("rowwise", "weight"): 1}
+# A LoRA layer's adapter follows its base (`tensor_parallel.lora`): a column base's A is replicated and B
+# split on rows, a row base's A split on columns and B replicated. By (role, adapter part, parameter).
+_LORA_TP_DIMS = {("colwise", "lora_B", "weight"): 0, ("colwise", "lora_B", "bias"): 0,
+                 ("kv_colwise", "lora_B", "weight"): 0, ("kv_colwise", "lora_B", "bias"): 0,
+                 ("rowwise", "lora_A", "weight"): 1}
+
+
+# The adapter halves `tensor_parallel.lora` replicates over tp: each rank's gradient is its share (Partial).
+_PARTIAL_ADAPTERS = {("lora_A", "colwise"), ("lora_A", "kv_colwise"), ("lora_B", "rowwise")}
+
+
+def _grad_free_edges(specs: tuple[ParamSpec, ...], kind_count: dict[str, int], first: bool) -> int:
+    """Of the first stage's SP/TP boundary conjugates, how many backward never reaches: with a frozen
+    embedding nothing before the first adapter needs a gradient, so the embedding output's and block
+    0's attention input's (and, without attention adapters, its attention output's and MLP input's too)."""
+    if not first or next(s for s in specs if s.unit == "embed").trainable or not any(kind_count.values()):
+        return 0
+    return 1 if any(s.adapter and s.attention for s in specs) else 2
 
 
 # Roles of layers whose weight `tensor_parallel.rows` keeps whole and row-selects (when not split).
+# Like MLA's "latent" layers (whole on every tp rank, each serving its own heads), their gradients
+# are partial over tp.
 _ROW_SELECTED = ("kv_colwise", "packed_qkv", "packed_gate_up")
 
 
@@ -99,21 +131,27 @@ def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], in
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     if moe.model_experts(cfg) is not None:
         convert_moe_blocks(model)
+    model = peft_model.wrap(model, cfg)  # a LoRA model: frozen base, adapters (`ParamSpec.trainable`)
     parts = llama.parts(model)
     block = parts.blocks[0]
     block_roles = roles.block_roles(block, cfg)
     head_params = set(roles.head_params(block, cfg))
-    specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed")]
+    specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed", trainable=parts.embed.weight.requires_grad)]
     for name, p in block.named_parameters():
         owner, leaf = name.rsplit(".", 1)
+        owner, adapter_part = owner_and_part(owner)
         role = block_roles.get(owner, "")
-        tp_dim = 0 if name in head_params else _TP_DIMS.get((role, leaf))
+        adapter = adapter_part if adapter_part in ("lora_A", "lora_B") else ""
+        tp_dim = 0 if name in head_params else _LORA_TP_DIMS.get((role, adapter, leaf)) if adapter else \
+            _TP_DIMS.get((role, leaf))
         in_moe = block_roles.get("mlp") == "moe" and owner.startswith("mlp")
+        in_attention = adapter != "" and block_roles.get(owner.rsplit(".", 1)[0]) == "attention"
         specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe,
-                               kind, role))
-    specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head"))
+                               kind, role, owner, p.requires_grad, adapter, in_attention))
+    specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head", trainable=parts.norm.weight.requires_grad))
     if not parts.tied:
-        specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head"))
+        specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head",
+                               trainable=parts.lm_head.weight.requires_grad))
     return tuple(specs), layers, parts.tied
 
 
@@ -188,11 +226,14 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     kind_count = {k: sum(kinds[i] == k for i in on_rank) for k in moe.KINDS}
     blocks = len(on_rank)
     first, last = stage_ranks(plan)[0], stage_ranks(plan)[-1]
-    copy = tied and plan.pp > 1 and pp_rank == last  # the head's copy of a tied embedding
-    edge_count = {"embed": int(pp_rank == first) + int(copy), "head": int(pp_rank == last)}
+    embeds, heads = edge_ranks(plan)
+    copy = tied and plan.pp > 1 and pp_rank in heads  # the head's copy of a tied embedding
+    edge_count = {"embed": int(pp_rank in embeds) + int(copy), "head": int(pp_rank in heads)}
     numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = partial_tensors = partial_elements = 0
-    units = {"embed": 0, "head": 0}
-    kind_units = {k: {"block": 0, "expert": 0, "float8": 0} for k in moe.KINDS}
+    trained = trained_tensors = trained_held = 0  # what has gradients and optimizer state (a LoRA model: adapters)
+    adapter_tensors = adapter_elements = 0  # replicated adapter halves under tp: Partial gradients, summed over tp
+    units, grad_units = {"embed": 0, "head": 0}, {"embed": 0, "head": 0}
+    kind_units = {k: {"block": 0, "expert": 0, "block_grad": 0, "expert_grad": 0, "float8": 0} for k in moe.KINDS}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
         block_part = spec.unit in ("block", "expert")
@@ -213,29 +254,47 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
             tied_copy = local
         held = count * local_numel(spec, split, split_rank, 1, 0)  # the Playbook's Psi on this rank
         held_total += held
-        if plan.tp > 1 and spec.unit == "block" and spec.role in _ROW_SELECTED and spec.tp_dim is None:
+        if spec.trainable:
+            trained, trained_tensors, trained_held = trained + local, trained_tensors + count, trained_held + held
+        if plan.tp > 1 and (spec.adapter, spec.role) in _PARTIAL_ADAPTERS:
+            adapter_tensors, adapter_elements = adapter_tensors + count, adapter_elements + held
+        if plan.tp > 1 and spec.unit == "block" and not spec.adapter and (
+                spec.role in _ROW_SELECTED and spec.tp_dim is None or spec.role == "latent"):
             partial_tensors, partial_elements = partial_tensors + count, partial_elements + held
-        zero["DDP"] += 16.0 * held
-        zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
-        zero["ZeRO-2"] += 2.0 * held + 14.0 * held / shards
-        zero["ZeRO-3"] += 16.0 * held / shards
+        if spec.trainable:
+            zero["DDP"] += 16.0 * held
+            zero["ZeRO-1"] += 4.0 * held + 12.0 * held / shards
+            zero["ZeRO-2"] += 2.0 * held + 14.0 * held / shards
+            zero["ZeRO-3"] += 16.0 * held / shards
+        else:  # frozen: the 16-bit weights alone (no gradient, no optimizer state)
+            zero["DDP"], zero["ZeRO-1"], zero["ZeRO-2"] = (zero[k] + 2.0 * held for k in ("DDP", "ZeRO-1", "ZeRO-2"))
+            zero["ZeRO-3"] += 2.0 * held / shards
         shape = _split_shape(spec, split, split_rank)
         rows = shape[fsdp_dim(spec, split, split_rank, shards)]
         per_row = math.prod(shape) // max(rows, 1)
         padded = -(-rows // shards) * shards * per_row if count else 0  # FSDP2 pads to equal rows
         if block_part:
             kind_units[spec.kind][spec.unit] += padded
+            kind_units[spec.kind][f"{spec.unit}_grad"] += padded if spec.trainable else 0
             if _float8_converted(spec, plan.tp):
                 kind_units[spec.kind]["float8"] += padded
         else:
             units[spec.unit] += padded
+            grad_units[spec.unit] += padded if spec.trainable else 0
     block_units = tuple(BlockUnits(k, kind_count[k], kind_units[k]["block"], kind_units[k]["expert"],
-                                   kind_units[k]["float8"]) for k in moe.KINDS if kind_count[k])
+                                   kind_units[k]["block_grad"], kind_units[k]["expert_grad"],
+                                   kind_units[k]["float8"])
+                        for k in moe.KINDS if kind_count[k])
     units["block"] = max((u.block for u in block_units), default=0)
     units["expert"] = max((u.expert for u in block_units), default=0)
-    return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
+    grad_units["block"] = max((u.block_grad for u in block_units), default=0)
+    grad_units["expert"] = max((u.expert_grad for u in block_units), default=0)
+    return ModelState(numel, numel * param_bytes, trained * param_bytes, 2 * trained * param_bytes + 4 * trained_tensors,
                       units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total, block_units,
-                      partial_tensors, partial_elements)
+                      partial_tensors, partial_elements, tensors, trained_held, grad_units, trained, trained_tensors,
+                      adapter_tensors, adapter_elements,
+                      _grad_free_edges(specs, kind_count, pp_rank in embeds),
+                      any(s.role == "seq_norm" and not s.trainable for s in specs))
 
 
 # -------------------------------------------------------------------------------- activations
@@ -285,125 +344,3 @@ def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, seq
     everything = sum(block_activations(config, ac="none", **kw).values())
     largest = batch * acts.trace_block(config, seq, tp, dtype).largest
     return max(everything - kept, 0) + 2 * largest
-
-
-# ------------------------------------------------------------------------------- one rank's peak
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """The memory of one pipeline rank at its peak (end of its last held forward)."""
-
-    pp_rank: int
-    state: ModelState
-    per_kind: dict[str, dict[str, int]]  # one block of each kind the rank holds, one microbatch, by part
-    held: dict[str, int]       # block-microbatches of each kind alive at the peak
-    in_flight: int             # (stage, microbatch) pairs alive at the peak
-    shared: int                # rotary cos/sin per in-flight pair
-    head: dict[str, int]       # final norm, LM head and loss (last stage only)
-    transient: int             # max(loss backward buffers, one block's recompute + gradients)
-    fsdp_buffers: int          # gathered units and gradient buffers in flight, full gradients kept (ZeRO-1, accumulation)
-    offloaded: int = 0         # model state that Plan.offload keeps in host memory (or on disk)
-    # Plan.activation_offload: per block of each kind, one microbatch, the bytes autograd saves, which
-    # live in host memory from the block's forward to its backward
-    moved: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def held_blocks(self) -> int:
-        """Block-microbatches alive at the peak, every kind."""
-        return sum(self.held.values())
-
-    @property
-    def per_block(self) -> dict[str, int]:
-        """One block, one microbatch, by part: the kind held most (the only kind of a uniform stack)."""
-        if not self.per_kind:
-            return {}
-        return self.per_kind[max(self.per_kind, key=lambda k: (self.held.get(k, 0), k))]
-
-    @property
-    def activations(self) -> int:
-        """Activation bytes held on the device at the peak (all in-flight microbatches). Under activation
-        offload the moved bytes are in host memory, but for two blocks' worth: the block whose copies
-        are in flight and, in backward, the block running while the one before it is brought back."""
-        blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
-        blocks -= self.activation_host
-        blocks += 2 * max(self.moved.values(), default=0)
-        return blocks + self.in_flight * self.shared + sum(self.head.values())
-
-    @property
-    def activation_host(self) -> int:
-        """Host bytes activation offload holds at the peak: every held block-microbatch's saved tensors."""
-        return sum(n * self.moved.get(k, 0) for k, n in self.held.items())
-
-    @property
-    def peak(self) -> int:
-        """Peak device bytes: persistent state (less what is offloaded), activations and transient buffers."""
-        return self.state.persistent - self.offloaded + self.activations + self.transient + self.fsdp_buffers
-
-
-def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
-    """What the all-gather CP kind holds per block beyond the ring: the other ranks' K/V, gathered in
-    forward and kept for backward ((ring - 1) local [K; V] shards, K/V heads as Ulysses replicates them)."""
-    _, kv, d = roles.kernel_dims(config)
-    uly = plan.ulysses_degree
-    kv_tp = kv // plan.tp
-    rep = uly // math.gcd(kv_tp, uly) if kv_tp % uly else 1
-    kv_local = workload.mbs * (workload.seq // plan.cp) * kv_tp * rep * d
-    return (plan.cp // uly - 1) * 2 * kv_local * dtype_bytes(plan.param_dtype)
-
-
-def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1) -> RankMemory:
-    """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
-    at once (the pipeline simulator's peak for that rank; 1 without pipelining)."""
-    state = model_state(config, plan, pp_rank=pp_rank)
-    seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
-    kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
-    last = pp_rank == stage_ranks(plan)[-1]
-    head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
-    stages = stage_kinds(config, plan)[pp_rank]
-    on_rank = sorted({k for stage in stages for k in stage})
-    per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, kind=k, **kw),
-                                config, plan, workload) for k in on_rank}
-    transient = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, kind=k, **kw)
-                     for k in on_rank), default=0)
-    if last:
-        transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))
-    fsdp_buffers = 0
-    if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
-        act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
-        unit = max(state.unit_elements.values())
-        if plan.fsdp_reshard:
-            unit_float8 = max((u.float8 for u in state.block_units if u.block == unit), default=0)
-            gathered = 2 * gathered_bytes(plan, unit, unit_float8)
-        else:
-            gathered = gathered_bytes(plan, sum(state.unit_elements[k] for k in ("embed", "head")) +
-                                      state.block_elements, state.float8_elements)
-        fsdp_buffers = gathered + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
-    memory_options = zero_memory(plan, state, config)
-    fsdp_buffers += max(memory_options.full_grads, memory_options.window_grads)  # ZeRO-1 / accumulation
-    # In-flight pairs may be of any of the rank's stages: the one holding the most bytes sets the peak.
-    heaviest = max(stages, key=lambda st: sum(n * sum(per_kind[k].values()) for k, n in st.items()))
-    held = {k: in_flight * n for k, n in heaviest.items()}
-    moved = {}
-    if plan.activation_offload:  # what autograd saves: every activation, or under AC the block inputs
-        moved = {k: per_kind[k] if ac == "none" else block_activations(config, sequence_parallel=sp, ac="full",
-                                                                     kind=k, **kw) for k in on_rank}
-        moved = {k: sum(parts.values()) for k, parts in moved.items()}
-    return RankMemory(pp_rank, state, per_kind, held, in_flight, acts.shared_activations(config, **kw), head,
-                      transient, fsdp_buffers, memory_options.host, moved)
-
-
-def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:
-    """One block's bytes with what the plan's CP kind keeps beyond the traced SDPA call."""
-    kind = getattr(plan, "cp_attention", "zigzag")
-    ac = plan.activation_checkpointing
-    if ac == "selective" and plan.cp > 1 and kind in ("ring", "zigzag", "usp"):
-        # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
-        per_block["attention"] = per_block.get("attention", 0) * plan.cp
-    elif ac == "selective" and plan.cp > 1 and kind == "allgather":
-        # two kernel calls per local query chunk (key prefix, causal diagonal), each output kept
-        per_block["attention"] = per_block.get("attention", 0) * 2
-    if ac == "none" and plan.cp > 1 and (kind == "allgather" or getattr(plan, "cp_keep_kv", False)):
-        # the other ranks' K/V held from forward to backward (the ring with cp_keep_kv keeps what it received)
-        per_block["attention"] = per_block.get("attention", 0) + allgather_kv_bytes(config, plan, workload)
-    return per_block

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from meshkit import metrics
+from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
 from meshkit.estimate.memory import model_state
-from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB
+from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, Workload, load_config
+from meshkit.integrations.peft.model import lora_of, with_lora
 from meshkit.models import roles
 from meshkit.plan import Plan
 
@@ -52,7 +55,8 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     s = mem.state
     L.append(f"\nmemory per rank (pp rank {mem.pp_rank}, the peak one){'':14}GiB")
     L.append(f"  parameters (fp32 shards = master weights){'':5}{_gib(s.param_bytes)}   {s.params:,} elements")
-    L.append(f"  gradients (fp32 shards){'':23}{_gib(s.grad_bytes)}")
+    L.append(f"  gradients (fp32 shards){'':23}{_gib(s.grad_bytes)}   "
+             f"{_bytes(mem.grads_held if mem.moment != 'optimizer' else s.grad_bytes)} of them alive at the peak")
     L.append(f"  optimizer (AdamW exp_avg + exp_avg_sq){'':8}{_gib(s.optimizer_bytes)}")
     L.append(f"  activations held{'':30}{_gib(mem.activations)}   {mem.in_flight} microbatch(es) x "
              f"{mem.held_blocks // max(mem.in_flight, 1)} blocks in flight")
@@ -64,10 +68,13 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"    rotary cos/sin{'':14}{_bytes(mem.shared):>12}   x{mem.in_flight}")
     for part, n in mem.head.items():
         L.append(f"    {part:<26}{_bytes(n):>12}")
+    moment = {"loss": "as the loss's backward starts", "block": "in a block's backward",
+              "optimizer": "in the optimizer's step"}[mem.moment]
     L.append(f"  transient (loss backward / block recompute){'':3}{_gib(mem.transient)}")
     L.append(f"  FSDP buffers (gathered units, grad buffers){'':3}{_gib(mem.fsdp_buffers)}")
     fits = "fits" if mem.peak <= e.device.memory_bytes else "DOES NOT FIT"
-    L.append(f"  peak{'':42}{_gib(mem.peak)}   of {e.device.memory_bytes / GiB:.1f} GiB: {fits}")
+    L.append(f"  peak{'':42}{_gib(mem.peak)}   of {e.device.memory_bytes / GiB:.1f} GiB: {fits} ({moment}"
+             + (f", head buffers freed: {_bytes(mem.head_freed)}" if mem.head_freed else "") + ")")
     seq, tok = w.seq // p.cp, w.mbs * (w.seq // p.cp)
     measured = sum(mem.per_block.values())
     kort = acts.korthikanti_bytes(c, batch=w.mbs, seq=seq, tp=p.tp, sequence_parallel=p.sequence_parallel,
@@ -79,7 +86,8 @@ def render(e: Estimate, check_flops: bool = True) -> str:
              f"meshkit FSDP2: {s.persistent / GiB:.2f} + buffers")
     f = e.flops
     world_flops = f.model * e.tokens_per_step
-    L.append("\nFLOPs (model = 6*N_nonembedding + 12*L*h_attn*s per token; hardware adds recompute)")
+    lora = "; LoRA: the frozen base computes no weight gradients" if lora_of(c) else ""
+    L.append(f"\nFLOPs (model = 6*N_nonembedding + 12*L*h_attn*s per token{lora}; hardware adds recompute)")
     L.append(f"  per token: model {f.model / 1e9:.2f} GFLOP, hardware {f.hardware / 1e9:.2f} GFLOP")
     L.append(f"  per step: {world_flops / 1e15:.1f} PFLOP model, {world_flops / p.world_size / 1e12:.1f} TFLOP per rank")
     if check_flops:
@@ -158,7 +166,49 @@ def build_parser(description: str = "", prog: str | None = None) -> argparse.Arg
     parser.add_argument("--nvme-gbps", type=float, help="NVMe GB/s per GPU per direction (offload=nvme)")
     parser.add_argument("--float8-tflops", type=float, help="override the device's dense float8 peak")
     parser.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak for compute")
+    parser.add_argument("--lora-r", type=int, help="train a LoRA adapter of this rank, the base frozen (PEFT)")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                        help="comma-separated target_modules of the LoRA adapter (with --lora-r)")
     return parser
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which plan and step one rank runs (`python -m meshkit.estimate` and
+    `python -m meshkit.dryrun`): the plan string or its per-field flags, microbatch size and count."""
+    parser.add_argument("--plan", default="", help='e.g. "tp=8,dp_shard=-1" (meshkit.Plan.from_string)')
+    parser.add_argument("--mbs", type=int, default=1, help="sequences per microbatch per data-parallel rank")
+    parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (overrides the plan)")
+    parser.add_argument("--microbatches", type=int,
+                        help="per step per data rank (default: the plan's pp_microbatches, or 1 without pipeline)")
+    parser.add_argument("--global-batch-tokens", help="e.g. 1M; sets microbatches = tokens / (dp*mbs*seq)")
+    Plan.add_cli_args(parser)
+
+
+def plan_and_workload(args: argparse.Namespace) -> tuple[Plan, Workload]:
+    """The resolved plan and the step's workload the flags of `add_plan_args` describe. Unless the plan
+    sets `param_dtype`, the recipes' mixed precision (bf16 compute); under pp without
+    `pp_microbatches`, one pipeline call per step."""
+    plan = Plan.from_cli_args(args, Plan.from_string(args.plan))
+    given = args.plan.replace(" ", "")
+    if "param_dtype=" not in given and getattr(args, "plan_param_dtype", None) is None:
+        plan = dataclasses.replace(plan, param_dtype="bfloat16")
+    if args.ac:
+        plan = dataclasses.replace(plan, activation_checkpointing=args.ac)
+    plan = plan.resolve(args.world)
+    m = args.microbatches or plan.microbatches
+    if args.global_batch_tokens:
+        m = max(1, round(parse_tokens(args.global_batch_tokens) / (plan.dp * args.mbs * args.seq)))
+    if plan.pp > 1 and plan.pp_microbatches is None:
+        plan = dataclasses.replace(plan, pp_microbatches=m)
+    return plan, Workload(args.seq, args.mbs, m, args.mfu)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The model's config from `--model`, carrying `--lora-r`/`--lora-targets` when LoRA is asked for."""
+    config = load_config(args.model)
+    if args.lora_r:
+        config = with_lora(config, args.lora_r, [t for t in args.lora_targets.split(",") if t])
+    return config
 
 
 def device_from_args(args: argparse.Namespace) -> Device:

@@ -20,23 +20,30 @@ what dominated it, or that the global batch is too small for its data-parallel d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import transformers
 from tqdm.auto import tqdm
 
+from meshkit.dryrun import dry_run
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, estimate
-from meshkit.estimate.report import build_parser, device_from_args, parse_tokens
-from meshkit.estimate.spec import DEVICES, Device, GiB, Workload, load_config
+from meshkit.estimate.report import build_parser, config_from_args, device_from_args, parse_tokens
+from meshkit.estimate.spec import DEVICES, Device, GiB, Workload, config_from_key, config_key
+from meshkit.integrations.peft import model as peft_model
+from meshkit.models.moe import convert_moe_blocks
 from meshkit.plan import Plan, PlanError
 
 AC_ORDER = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
 NVME_DIR = "/nvme"  # offload_dir of the offload="nvme" plans the search prints: replace it with the run's own
-SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1))
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1),
+                      ("dualpipe", 1), ("zb_auto", 1))
 
 
 def budget(device: Device, fraction: float = 0.9) -> float:
@@ -45,8 +52,26 @@ def budget(device: Device, fraction: float = 0.9) -> float:
 
 
 def check_structure(plan: Plan, config: Any, world: int, seq: int) -> None:
-    """`plan.validate`: divisibility, heads, vocab and sequence length for this model and world."""
+    """`plan.validate`: divisibility, heads, vocab and sequence length for this model and world; for
+    a LoRA model also whether every adapter can follow its base under the plan's tp."""
     plan.validate(config, world, seq)
+    if peft_model.lora_of(config) is not None and plan.tp > 1:
+        problems = _lora_tp_problems(config_key(config), plan.tp)
+        if problems:
+            raise PlanError.of(*problems)
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_tp_problems(config_json: str, tp: int) -> tuple[str, ...]:
+    """What `parallelize` would refuse of a LoRA model's adapters under `tp`, on a one-block meta model
+    of the config (cached: a search asks once per layout)."""
+    cfg = config_from_key(config_json)
+    cfg.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if moe.model_experts(cfg) is not None:
+        convert_moe_blocks(model)
+    return tuple(peft_model.tp_problems(peft_model.wrap(model, cfg), tp))
 
 
 @dataclass(frozen=True)
@@ -270,7 +295,7 @@ def _pruned(same: Any, offload: str, moved: bool, limit: float) -> bool:
     device, offloading activations at most the activations held."""
     if same is None or (offload == "none" and not moved):
         return False
-    freed = (same.state.persistent if offload != "none" else 0) + (same.activations if moved else 0)
+    freed = (same.state_at_peak if offload != "none" else 0) + (same.activations if moved else 0)
     return same.peak - freed > limit
 
 
@@ -293,7 +318,7 @@ def _float8_twin(chosen: Candidate, config: Any, world: int, seq: int, device: D
 
 def _dominant(e: Estimate) -> str:
     mem = e.memory
-    terms = {"model state": mem.state.persistent - mem.offloaded, "activations": mem.activations,
+    terms = {"model state": mem.state_at_peak, "activations": mem.activations,
              "transients": mem.transient + mem.fsdp_buffers}
     top = max(terms, key=terms.get)
     w = e.workload
@@ -328,6 +353,24 @@ def render(result: SearchResult, limit: float, world: int) -> str:
     return "\n".join(lines)
 
 
+def verify_by_dry_run(result: SearchResult, config: Any, world: int, limit: float, k: int, *, jobs: int = 1) -> str:
+    """The `k` fastest plans run by the dry run (`meshkit.dryrun`: meshkit's real step as the first,
+    middle and last pipeline rank of a fake world), each rank's measured peak beside the estimate and
+    the budget, and whether its collectives equal the estimate's byte for byte."""
+    lines = [f"\nverified by the dry run (the real step on a fake world of {world}), the {k} fastest:",
+             f"  {'#':>2} {'rank':>6} {'estimate GiB':>13} {'measured GiB':>13}  {'fits':<5} collectives"]
+    for i, c in enumerate(result.plans[:k], 1):
+        run = dry_run(config, c.plan, world, c.workload, jobs=jobs,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+        for r in run.ranks:
+            measured = r.run.measured.peak.bytes
+            diffs = r.collective_differences
+            lines.append(f"  {i:>2} {r.run.rank:>6} {r.estimate.peak_bytes / GiB:>13.4g} {measured / GiB:>13.4g}  "
+                         f"{'yes' if measured <= limit else 'NO':<5} "
+                         f"{'equal' if not diffs else 'differ: ' + '; '.join(diffs)}  {c.describe()}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.",
@@ -335,15 +378,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="run the K fastest plans through the dry run (python -m meshkit.dryrun)")
+    parser.add_argument("--jobs", type=int, default=1, help="dry-run ranks simulated at once (with --verify)")
     args = parser.parse_args(argv)
-    config = load_config(args.model)
+    config = config_from_args(args)
     device = device_from_args(args)
     result = search(config, args.world, args.seq, parse_tokens(args.global_batch_tokens), device,
                     top=args.top, mfu=args.mfu,
                     memory_fraction=args.memory_fraction, progress=True)
     print(f"model {args.model}, {args.world} x {device.name}, seq {args.seq}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, assumed compute efficiency {args.mfu:.0%}")
-    print(render(result, budget(device, args.memory_fraction), args.world))
+    limit = budget(device, args.memory_fraction)
+    print(render(result, limit, args.world), flush=True)
+    if args.verify:
+        print(verify_by_dry_run(result, config, args.world, limit, args.verify, jobs=args.jobs))
     return 0
 
 

@@ -14,7 +14,7 @@ CONFIG = load_config("llama3.2-1b")  # 1.24B parameters: 20 GB of fp32 state and
 
 
 def test_a_host_too_small_for_the_state_gets_nvme_and_activation_offload():
-    device = dataclasses.replace(DEVICES["h100"], memory_bytes=16 * GiB, host_memory_bytes=16 * GiB)
+    device = dataclasses.replace(DEVICES["h100"], memory_bytes=8 * GiB, host_memory_bytes=16 * GiB)
     result = search(CONFIG, 1, 4096, 8 * 4096, device, top=5)
     assert result.plans, result.rejected
     for cand in result.plans:  # offload="optimizer" would hold 20 GB of host memory: only NVMe fits the host
