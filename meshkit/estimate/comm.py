@@ -15,6 +15,7 @@ from typing import Any
 from meshkit.estimate import moe
 from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
+from meshkit.estimate.zero import gathered_bytes
 from meshkit.mesh import AXES
 from meshkit.models import roles
 from meshkit.pipeline.schedules import pipelines
@@ -84,6 +85,7 @@ class FsdpUnit:
     axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
     regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
     grad_elements: int = -1  # of `elements`, those with gradients (frozen LoRA bases have none); -1: all
+    float8: int = 0  # of `elements`, the projection weights gathered in float8 (float8="tensorwise")
 
     def __post_init__(self) -> None:
         if self.grad_elements < 0:
@@ -116,7 +118,7 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     for b in state.block_units:
         kept = int(bool(root) and reshard and b.kind == last_kind and units["head"] > 0)
         name = _BLOCK_NAMES[b.kind] if mixed else "block"
-        blocks += [FsdpUnit(name, n, b.block, fsdp, "dp_shard_cp", again, b.block_grad)
+        blocks += [FsdpUnit(name, n, b.block, fsdp, "dp_shard_cp", again, b.block_grad, b.float8)
                    for n, again in ((b.count - kept, reshard), (kept, False)) if n]
     out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False,
                              grads["embed"])]
@@ -234,11 +236,12 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         red = dtype_bytes(plan.reduce_dtype)
         hides = {"embed": None, "head": t_block_fwd}
         for u in dense if fsdp > 1 else []:
+            gathered = gathered_bytes(plan, u.elements, u.float8)  # float8 projection weights in one byte each
             add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters (fwd)", gathers * u.count,
-                u.elements * act, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
+                gathered, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
             if u.regather:
                 add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
-                    u.elements * act, fsdp, t_bwd / 2)
+                    gathered, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
                 u.grad_elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas

@@ -199,6 +199,22 @@ def local_numel(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int, fsdp_rank: in
     dim = fsdp_dim(spec, tp, tp_rank, fsdp)
     shape[dim] = _chunk(shape[dim], fsdp, fsdp_rank)
     return math.prod(shape)
+def _float8_converted(spec: ParamSpec, tp: int) -> bool:
+    """Whether `Plan.float8` converts the linear this weight belongs to (`float8.convert.float8_linears`):
+    a colwise or rowwise projection of a block, outside the MoE layer, split plainly under TP."""
+    return (spec.unit == "block" and len(spec.shape) == 2 and spec.role in ("colwise", "kv_colwise", "rowwise")
+            and not spec.tp_summed and (tp == 1 or spec.tp_dim is not None))
+
+
+def float8_params_per_layer(config: Any) -> float:
+    """Parameters of the projections float8 converts, per decoder block, averaged over the stack."""
+    specs, layers, _ = param_specs(config)
+    kinds = moe.block_kinds(config)
+    per_kind = {k: sum(math.prod(s.shape) for s in specs if s.kind == k and _float8_converted(s, 1))
+                for k in set(kinds)}
+    return sum(per_kind[k] for k in kinds) / layers
+
+
 def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, fsdp_rank: int = 0,
                 param_bytes: int = 4) -> ModelState:
     """Exact for the visible local shards (`p.to_local()`), which tests check on a CPU mesh; FSDP2
@@ -217,7 +233,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     trained = trained_tensors = trained_held = 0  # what has gradients and optimizer state (a LoRA model: adapters)
     adapter_tensors = adapter_elements = 0  # replicated adapter halves under tp: Partial gradients, summed over tp
     units, grad_units = {"embed": 0, "head": 0}, {"embed": 0, "head": 0}
-    kind_units = {k: {"block": 0, "expert": 0, "block_grad": 0, "expert_grad": 0} for k in moe.KINDS}
+    kind_units = {k: {"block": 0, "expert": 0, "block_grad": 0, "expert_grad": 0, "float8": 0} for k in moe.KINDS}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
         block_part = spec.unit in ("block", "expert")
@@ -260,11 +276,14 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         if block_part:
             kind_units[spec.kind][spec.unit] += padded
             kind_units[spec.kind][f"{spec.unit}_grad"] += padded if spec.trainable else 0
+            if _float8_converted(spec, plan.tp):
+                kind_units[spec.kind]["float8"] += padded
         else:
             units[spec.unit] += padded
             grad_units[spec.unit] += padded if spec.trainable else 0
     block_units = tuple(BlockUnits(k, kind_count[k], kind_units[k]["block"], kind_units[k]["expert"],
-                                   kind_units[k]["block_grad"], kind_units[k]["expert_grad"])
+                                   kind_units[k]["block_grad"], kind_units[k]["expert_grad"],
+                                   kind_units[k]["float8"])
                         for k in moe.KINDS if kind_count[k])
     units["block"] = max((u.block for u in block_units), default=0)
     units["expert"] = max((u.expert for u in block_units), default=0)

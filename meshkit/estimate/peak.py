@@ -34,7 +34,7 @@ from meshkit.estimate.memory import (
     stage_ranks,
 )
 from meshkit.estimate.spec import ModelState, Workload, dtype_bytes
-from meshkit.estimate.zero import ZeroMemory, gathered_elements, zero_memory
+from meshkit.estimate.zero import ZeroMemory, gathered_bytes, gathered_elements, zero_memory
 from meshkit.models import roles
 from meshkit.pipeline.split import stages_of_rank
 from meshkit.plan import Plan
@@ -53,12 +53,16 @@ class RankMemory:
     head: dict[str, int]       # final norm, LM head and loss (last stage only)
     transient: int             # at the peak: loss backward buffers, or one block's recompute + gradients
     fsdp_buffers: int          # at the peak: gathered units, unreduced gradients in flight or carried
-    offloaded: int = 0         # model state that Plan.offload keeps in host memory
+    offloaded: int = 0         # model state that Plan.offload keeps in host memory (or on disk)
     moment: str = "loss"       # where the peak is: "loss" (its backward starts), "block" (a block's
     #                            backward, the head's buffers gone) or "optimizer" (the step)
     grads_held: int = 0        # sharded gradients alive at the peak (earlier calls' of the step)
     head_freed: int = 0        # head activations already freed at the peak ("block" on the last stage)
     pipeline: Held | None = None  # pp > 1: the schedule's largest moment (`inflight.replay`)
+    # Plan.activation_offload: per block of each kind, one microbatch, the bytes autograd saves, which
+    # live in host memory from the block's forward to its backward; `activation_host` of them at the peak
+    moved: dict[str, int] = dataclasses.field(default_factory=dict)
+    activation_host: int = 0
 
     @property
     def held_blocks(self) -> int:
@@ -74,11 +78,14 @@ class RankMemory:
 
     @property
     def activations(self) -> int:
-        """Activation bytes held at the peak (all in-flight microbatches)."""
+        """Activation bytes held on the device at the peak (all in-flight microbatches). Under activation
+        offload the moved bytes are in host memory, but for two blocks' worth: the block whose copies
+        are in flight and, in backward, the block running while the one before it is brought back."""
+        offloaded = 2 * max(self.moved.values(), default=0) - self.activation_host
         if self.pipeline is not None:
-            return self.pipeline.activations
+            return self.pipeline.activations + offloaded
         blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
-        return blocks + self.in_flight * self.shared + sum(self.head.values())
+        return blocks + self.in_flight * self.shared + sum(self.head.values()) + offloaded
 
     @property
     def state_at_peak(self) -> int:
@@ -147,6 +154,11 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
                                            grads_held=held_grads))
     if not options.host:  # AdamW's step (foreach): a square root of the second moments beside the state
         moments.append(dataclasses.replace(memory, moment="optimizer", transient=state.param_bytes))
+    if plan.activation_offload:  # what autograd saves: every activation, or under AC the block inputs
+        moved = {k: sum((per_kind[k] if ac == "none" else block_activations(
+            config, sequence_parallel=sp, ac="full", kind=k, **kw)).values()) for k in on_rank}
+        moments = [dataclasses.replace(m, moved=moved, activation_host=m.in_flight * sum(
+            n * moved[k] for k, n in heaviest.items())) for m in moments]
     best = max(moments, key=lambda m: m.peak)
     return dataclasses.replace(best, offloaded=options.host)
 
@@ -216,14 +228,16 @@ def _fsdp_gathered(config: Any, plan: Plan, state: ModelState) -> tuple[int, int
     act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
     units = state.unit_elements
     block = max((u.block + u.expert for u in state.block_units), default=0)
-    if plan.pp > 1 or not plan.fsdp_reshard:
-        everything = gathered_elements(state) * act
+    if plan.pp > 1 or not plan.fsdp_reshard:  # float8 projection weights are gathered in one byte each
+        everything = gathered_bytes(plan, gathered_elements(state), state.float8_elements)
         return everything, everything + block * act
     tied = getattr(config, "tie_word_embeddings", False)
-    last = units["head"] if units["head"] and not tied else \
-        (state.block_units[-1].block if state.block_units else units["head"])
+    head_last = units["head"] and not tied
+    last = units["head"] if head_last else (state.block_units[-1].block if state.block_units else units["head"])
+    last_float8 = 0 if head_last or not state.block_units else state.block_units[-1].float8
     unit = max(units.values())
-    return last * act, 2 * unit * act + unit * (act + red)
+    unit_float8 = max((u.float8 for u in state.block_units if u.block == unit), default=0)
+    return gathered_bytes(plan, last, last_float8), 2 * gathered_bytes(plan, unit, unit_float8) + unit * (act + red)
 
 
 def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:

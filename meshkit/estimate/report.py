@@ -116,8 +116,22 @@ def render(e: Estimate, check_flops: bool = True) -> str:
                  f"{_bytes(off.d2h_bytes)} (a gradient shard per reduction): {off.transfer_time * 1e3:.1f} ms")
         L.append(f"  optimizer step on the CPU: {_bytes(off.host_step_bytes)} through host memory, "
                  f"{off.step_time * 1e3:.1f} ms (all counted exposed)")
+        if p.offload == "nvme":
+            L.append(f"  NVMe (offload_dir, {e.device.nvme_bw / 1e9:.1f} GB/s per GPU each way): the optimizer state, "
+                     f"{_bytes(off.disk_state_bytes)} per rank, read and written each step ({_bytes(off.disk_bytes)}); "
+                     f"{off.disk_time * 1e3:.1f} ms beyond the CPU step (reads overlap it, writes do not)")
+    moved = e.activation_offload
+    if moved is not None:
+        L.append(f"\nactivation offload, per step, per rank: {_bytes(moved.host_bytes)} of saved activations in host "
+                 f"memory at the peak, {_bytes(moved.link_bytes)} over the host link (out in forward, back in "
+                 f"backward, on a side stream), {moved.exposed * 1e3:.1f} ms the compute does not hide")
+    if p.float8 != "none":
+        rate = f"{e.device.float8_flops / 1e12:.0f}" if e.device.float8_flops else "no float8 peak known:"
+        L.append(f"\nfloat8 ({p.float8}): the blocks' projections at {rate} TFLOP/s; "
+                 f"{s.float8_elements:,} elements of their gathered weights per rank "
+                 f"({'FSDP all-gathers them in 1 byte each' if p.float8 == 'tensorwise' else 'gathered in ' + p.param_dtype})")
     tm = e.times
-    host = f" + offload {tm['offload'] * 1e3:.0f} ms" if off is not None else ""
+    host = f" + offload {tm['offload'] * 1e3:.0f} ms" if off is not None or moved is not None else ""
     L.append(f"\nstep time at {w.mfu:.0%} of {e.device.peak_flops / 1e12:.0f} TFLOP/s: compute "
              f"{tm['compute'] * 1e3:.0f} ms (pipeline bubble {tm['bubble']:.1%}) + exposed communication "
              f"{tm['exposed_comm'] * 1e3:.0f} ms{host} = {tm['step'] * 1e3:.0f} ms -> MFU {e.mfu:.1%}, "
@@ -149,6 +163,8 @@ def build_parser(description: str = "", prog: str | None = None) -> argparse.Arg
     parser.add_argument("--memory-gib", type=float, help="usable device memory")
     parser.add_argument("--host-gbps", type=float, help="host <-> device GB/s per GPU per direction (offload)")
     parser.add_argument("--host-memory-gib", type=float, help="host memory per GPU (offload)")
+    parser.add_argument("--nvme-gbps", type=float, help="NVMe GB/s per GPU per direction (offload=nvme)")
+    parser.add_argument("--float8-tflops", type=float, help="override the device's dense float8 peak")
     parser.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak for compute")
     parser.add_argument("--lora-r", type=int, help="train a LoRA adapter of this rank, the base frozen (PEFT)")
     parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -204,5 +220,7 @@ def device_from_args(args: argparse.Namespace) -> Device:
                                  ("gpus_per_node", args.gpus_per_node),
                                  ("memory_bytes", args.memory_gib and args.memory_gib * GiB),
                                  ("host_bw", args.host_gbps and args.host_gbps * 1e9),
-                                 ("host_memory_bytes", args.host_memory_gib and args.host_memory_gib * GiB)) if v}
+                                 ("host_memory_bytes", args.host_memory_gib and args.host_memory_gib * GiB),
+                                 ("nvme_bw", args.nvme_gbps and args.nvme_gbps * 1e9),
+                                 ("float8_flops", args.float8_tflops and args.float8_tflops * 1e12)) if v}
     return dataclasses.replace(d, **changes)

@@ -44,6 +44,7 @@ class ZeroMemory:
     host: int           # of master + grads + optimizer, the bytes offload moves to host memory
     full: int = 0       # every unit's full unreduced gradient, as FSDP2 accumulates it (reduce dtype)
     sharded: bool = True  # FSDP2 applies (data ranks, mixed precision or offload)
+    disk: int = 0       # of the optimizer state, the bytes offload="nvme" keeps in its file instead
 
     @property
     def between_calls(self) -> int:
@@ -59,8 +60,8 @@ class ZeroMemory:
 
     @property
     def on_device(self) -> int:
-        """`at_last_backward` less what offload keeps in host memory."""
-        return self.at_last_backward - self.host
+        """`at_last_backward` less what offload keeps in host memory or on disk."""
+        return self.at_last_backward - self.host - self.disk
 
 
 def gathered_elements(state: ModelState) -> int:
@@ -68,6 +69,19 @@ def gathered_elements(state: ModelState) -> int:
     units = state.unit_elements
     edges = units["embed"] + units["head"]
     return edges + state.block_elements
+
+
+def gathered_bytes(plan: Plan, elements: int, float8_elements: int) -> int:
+    """Bytes of gathered parameters: param_dtype, except the float8 projection weights FSDP gathers in
+    one byte each (`float8="tensorwise"`)."""
+    act = dtype_bytes(plan.param_dtype)
+    return elements * act - (float8_elements * (act - 1) if plan.float8 == "tensorwise" else 0)
+
+
+def largest_unit_state(state: ModelState, fsdp: int) -> int:
+    """Optimizer-state bytes (AdamW: two fp32 moments) of the rank's largest FSDP unit's shard: what
+    offload="nvme" streams through host memory at a time (two units: the one stepping, the next read)."""
+    return ADAM_STATE_BYTES * -(-max(state.unit_elements.values()) // max(fsdp, 1))
 
 
 def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: bool = False) -> ZeroMemory:
@@ -81,16 +95,22 @@ def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: boo
     """
     sharded = plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32" or \
         plan.offload != "none"
-    act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
-    gathered = gathered_elements(state) * act if sharded and plan.zero < 3 else 0
+    red = dtype_bytes(plan.reduce_dtype)
+    gathered = gathered_bytes(plan, gathered_elements(state), state.float8_elements) \
+        if sharded and plan.zero < 3 else 0
     full = state.held_trainable * red if sharded else 0  # frozen weights (LoRA's base) have no gradient
     if sharded and config is not None and plan.tp > 1 and state.grad_unit_elements["embed"] > 0:
         full += config.vocab_size * config.hidden_size * (plan.tp - 1) // plan.tp * red
     grads = 0 if fused else state.grad_bytes
     host = state.param_bytes + grads + state.optimizer_bytes if plan.offload != "none" else 0
+    disk = 0
+    if plan.offload == "nvme":  # the optimizer state in the file; two units' of it in host memory at a time
+        streamed = min(2 * largest_unit_state(state, plan.dp_shard * plan.cp), state.optimizer_bytes)
+        disk = state.optimizer_bytes - streamed
+        host -= disk
     return ZeroMemory(plan.zero, state.param_bytes, grads, state.optimizer_bytes, gathered,
                       full if plan.zero == 1 else 0, full if plan.grad_sync == "last_microbatch" else 0, host,
-                      full, sharded)
+                      full, sharded, disk)
 
 
 def paper_model_states(zero: int, psi: float, n: int, *, param_bytes: int = 2, grad_bytes: int = 2,
