@@ -27,7 +27,7 @@ from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.data_parallel.fsdp import apply_data_parallel
 from meshkit.expert_parallel import MoE, apply_expert_parallel
-from meshkit.inference.forward import refuse_hf_forward
+from meshkit.inference.hf_forward import install_hf_forward
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
@@ -56,13 +56,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     _apply_compile(blocks, split.held_blocks, plan)
     stages = build_stages(split.parts, blocks, split.ranges, split.stage_ids, context_parallel)
     use_fsdp = apply_data_parallel(stages, _held_moes(split), plan, mesh, expert_mesh, tied=split.parts.tied)
-    refuse_hf_forward(model)
     align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
-    return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
-                                                    reduce_tp_grads=plan.tp > 1 and not use_fsdp,
-                                                    tp_summed_params=_tp_summed_params(split, plan),
-                                                    tied_aliases=split.tied_aliases,
-                                                    tied_group=split.tied_group))
+    pm = ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
+                                                  reduce_tp_grads=plan.tp > 1 and not use_fsdp,
+                                                  tp_summed_params=_tp_summed_params(split, plan),
+                                                  tied_aliases=split.tied_aliases, tied_group=split.tied_group))
+    install_hf_forward(model, pm)  # model(...) and model.generate run through meshkit from here on
+    return pm
 
 
 def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Plan, DeviceMesh]:

@@ -8,6 +8,7 @@ norm) and hands every state-dict path to `state/` (HF names, full state dicts, i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class ParallelModel:
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
         self.check_inputs = True
+        self.backward_context_open = False  # inside `backward_context`
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
         self._reduce_tp_grads = sharded.reduce_tp_grads
@@ -165,16 +167,9 @@ class ParallelModel:
         shifted = loss_lib.shift_labels(labels.to(self.device))
         return loss_lib.global_valid_tokens(shifted, self._dp.get_group())
 
-    def forward_backward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        loss_denominator: int | float | None = None,
-        last_microbatch: bool = True,
-        parts: bool = False,
-    ) -> torch.Tensor | loss_lib.LossParts:
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                         loss_denominator: int | float | None = None, last_microbatch: bool = True,
+                         parts: bool = False) -> torch.Tensor | loss_lib.LossParts:
         """Forward and backward on this data rank's batch [B, S]; return the loss, gradients accumulated.
 
         The returned loss (detached, identical on every rank) is the single-device loss of the global
@@ -190,31 +185,72 @@ class ParallelModel:
         last: with `Plan(grad_sync="last_microbatch")` gradients then stay local until that call, and
         ZeRO-1/2 keep the gathered parameters for the next call (docs/data_parallel.md).
         """
-        if not isinstance(last_microbatch, bool):
-            raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
-        if self._fused is not None and not last_microbatch:
-            raise ValueError("forward_backward: last_microbatch=False with the optimizer fused into backward: each "
-                             "call steps the parameters, so a gradient is never accumulated over a window; fix: "
-                             "one call per step, or the optimizer unfused")
+        self._check_call("forward_backward", last_microbatch)
         batch = self._prepare(input_ids, labels, position_ids)
-        self._window_open = not last_microbatch
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
         weight = batch.valid_tokens / denominator  # this call's share of the window (1 without accumulation)
         self._aux.begin(weight)
         hf_aux = None
-        with summed_per_call(self._tp_summed_params, self._tp_group), \
-                summed_per_call(self._tied_params, self._tied_group), \
-                copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
-                loss_context(self.plan.tp > 1, self.plan.loss_parallel):
+        with self._gradient_call(last_microbatch), loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedule is not None:
                 share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)
             else:
                 share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
+        return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
+
+    @contextlib.contextmanager
+    def backward_context(self, last_microbatch: bool = True) -> Iterator[None]:
+        """Around one forward through the model's own `forward` (pp = 1) and its backward: the plan's
+        gradient policy, as `forward_backward` applies it to its own call.
+
+        A trainer's `compute_loss` (TRL's, a user's) calls `model(...)` and backpropagates a loss of its
+        own; the plans that finish gradients after backward (`finishes_grads_after_backward`) need this
+        scope around both, and the model's forward refuses to build a graph there outside it.
+        """
+        self._check_call("backward_context", last_microbatch)
+        if self.plan.pp > 1:
+            raise ValueError(f"backward_context: pp={self.plan.pp}: no rank holds the whole model, so the model's "
+                             "own forward cannot run; fix: pm.forward_backward(input_ids, labels)")
+        self.backward_context_open = True
+        try:
+            with self._gradient_call(last_microbatch), zero_stages.backward_call(
+                    self._fsdp_roots, self.plan.zero, self.plan.grad_sync, last_microbatch):
+                yield
+        finally:
+            self.backward_context_open = False
+
+    @property
+    def finishes_grads_after_backward(self) -> bool:
+        """Whether meshkit works on gradients after backward: ZeRO-1's deferred reduce-scatter, TP without
+        FSDP placing gradients like their parameters, sums of weights several ranks hold whole."""
+        return bool((self.plan.zero == 1 and self._fsdp_roots) or self._reduce_tp_grads
+                    or self.sums_grads_after_backward)
+
+    @property
+    def has_router_aux_loss(self) -> bool:
+        """Whether router auxiliary terms enter the loss (weighed by `forward_backward` only)."""
+        return self._aux.active
+
+    def _check_call(self, what: str, last_microbatch: bool) -> None:
+        if not isinstance(last_microbatch, bool):
+            raise ValueError(f"{what}: last_microbatch={last_microbatch!r} must be True or False")
+        if self._fused is not None and not last_microbatch:
+            raise ValueError(f"{what}: last_microbatch=False with the optimizer fused into backward: each "
+                             "call steps the parameters, so a gradient is never accumulated over a window; fix: "
+                             "one call per step, or the optimizer unfused")
+
+    @contextlib.contextmanager
+    def _gradient_call(self, last_microbatch: bool) -> Iterator[None]:
+        """The gradient sums meshkit makes itself around one call, then TP placement and fused steps."""
+        self._window_open = not last_microbatch
+        with summed_per_call(self._tp_summed_params, self._tp_group), \
+                summed_per_call(self._tied_params, self._tied_group), \
+                copies_summed_per_call(self._tied_params if self._tied_group is None else []):
+            yield
             if self._reduce_tp_grads:
                 place_grads_like_params(dtensor_params(self.model_parts))
         if self._fused is not None:
             self._fused.after_call()
-        return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
 
     def _step(self, batch: LocalBatch, denominator: float, last_microbatch: bool, weight: float):
         """One stage's forward and backward (no pipelining), under the zero stage's gradient policy;
