@@ -34,6 +34,7 @@ graph here only inside `pm.backward_context()`. Router auxiliary losses are not 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,6 +95,13 @@ def install_hf_forward(model: nn.Module, pm: ParallelModel) -> None:
     else:
         model.register_forward_pre_hook(_refuse_pipelined, with_kwargs=True)
     model.generate = ModelGenerate(pm)
+    model._meshkit_parallel_model = weakref.ref(pm)  # weak: pm holds the model
+
+
+def parallel_model_of(model: nn.Module) -> ParallelModel | None:
+    """The ParallelModel `parallelize` made of `model`, or None if it was never parallelized (or dropped)."""
+    ref = getattr(model, "_meshkit_parallel_model", None)
+    return ref() if ref is not None else None
 
 
 def _refuse_pipelined(module: nn.Module, args, kwargs):
