@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 # HF forward keywords accepted when None or False (use_cache: any value; no cache is returned).
 _NEUTRAL = ("past_key_values", "inputs_embeds", "cache_position", "output_attentions", "output_hidden_states",
             "output_router_logits", "use_cache")
+# Packed-sequence boundaries for flash attention, as padding-free collators send them beside position_ids:
+# the same documents the position ids mark, which meshkit reads from the position ids.
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 class ModelForward:
@@ -119,8 +122,8 @@ def causal_lm_forward(pm: ParallelModel, input_ids: torch.Tensor | None, attenti
                       logits_to_keep: int = 0, **kwargs: Any) -> CausalLMOutputWithPast:
     """HF's causal-LM forward on the sharded model: full logits with gradients, and the loss (module docstring)."""
     config = pm.model.config
-    problem = ids_problem(input_ids, position_ids, config) or _problem(pm, input_ids, attention_mask, labels,
-                                                                      shift_labels, logits_to_keep, kwargs)
+    problem = ids_problem(input_ids, position_ids, config) or _problem(
+        pm, input_ids, attention_mask, position_ids, labels, shift_labels, logits_to_keep, kwargs)
     if pm.check_inputs:
         check_inputs(pm, input_ids, problem)
     elif problem:
@@ -140,17 +143,21 @@ def causal_lm_forward(pm: ParallelModel, input_ids: torch.Tensor | None, attenti
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def _problem(pm: ParallelModel, input_ids, attention_mask, labels, shift_labels, logits_to_keep,
+def _problem(pm: ParallelModel, input_ids, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
              kwargs: dict[str, Any]) -> str | None:
     """What keeps this call from running on the sharded model, or None (local, no collective)."""
     batch, seq = input_ids.shape
-    odd = sorted(k for k, v in kwargs.items()
-                 if k not in _NEUTRAL or (k != "use_cache" and v is not None and v is not False))
+    odd = sorted(k for k, v in kwargs.items() if k not in PACKING_KWARGS
+                 and (k not in _NEUTRAL or (k != "use_cache" and v is not None and v is not False)))
     if odd:
         return (f"model(...) after meshkit.parallelize takes input_ids, attention_mask, position_ids, labels, "
-                f"shift_labels, num_items_in_batch and logits_to_keep; got {odd} (caches, input embeddings, "
+                f"shift_labels, num_items_in_batch, logits_to_keep and packing boundaries; got {odd} (caches, input embeddings, "
                 "attentions, hidden states and router logits are not available from the sharded model); fix: drop "
                 "them (router auxiliary losses: train with pm.forward_backward)")
+    packing = sorted(k for k in kwargs if k in PACKING_KWARGS and kwargs[k] is not None)
+    if packing and position_ids is None:
+        return (f"{packing} mark packed documents but position_ids are missing; meshkit reads the documents from "
+                "the position ids (restarting at 0); fix: pass position_ids (padding-free collators do)")
     if pm.has_router_aux_loss:
         return ("model(...) after meshkit.parallelize does not add router auxiliary losses, which this model's "
                 "config asks for; fix: train with pm.forward_backward (the Trainer's default loss does), or "

@@ -71,3 +71,42 @@ def reference_run(spec: ModelSpec, data: list[dict], output_dir: str, per_device
     norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     return {"losses": losses(trainer.state.log_history), "norms": norms,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+CHAT_VOCAB = 320
+CHAT = ModelSpec(layers=2, vocab=CHAT_VOCAB)
+# Assistant turns wrapped in generation tags: TRL's assistant_only_loss reads them from the template.
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% generation %}{{ m.content }}"
+            "<|end|>{% endgeneration %}{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tokenizer(directory: str):
+    """A byte-level BPE (< CHAT_VOCAB tokens) with a pad token and a chat template with generation tags."""
+    from meshkit.data.tokenizer import train_bpe
+
+    texts = ["the cat sat on the mat", "a dog ran in the park", "what is two plus two", "four", "it is",
+             "name a colour", "blue and green", "plus", "say hello"] * 5
+    tok = train_bpe(texts, 300, directory)
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    tok.pad_token = tok.eos_token
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(directory)
+    return tok
+
+
+def prompt_completions(count: int) -> list[dict]:
+    """Prompt-completion pairs of different lengths (completion-only loss)."""
+    return [{"prompt": f"what is {i} plus {i % 3}" + " plus" * (i % 4), "completion": f" it is {i + i % 3} and a cat"}
+            for i in range(count)]
+
+
+def conversations(count: int) -> list[dict]:
+    """Chats with one or two assistant turns (assistant-only loss)."""
+    out = []
+    for i in range(count):
+        messages = [{"role": "user", "content": f"what is {i} plus two"}, {"role": "assistant", "content": f"it is {i + 2}"}]
+        if i % 2:
+            messages += [{"role": "user", "content": "say hello"}, {"role": "assistant", "content": "hello" + " a" * i}]
+        out.append({"messages": messages})
+    return out

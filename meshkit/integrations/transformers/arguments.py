@@ -1,6 +1,12 @@
 """What a Trainer run with `plan=` takes: the plan itself (object, compact string, TOML, or a
 `--plan` flag parsed with the training arguments), and the training arguments it refuses.
 
+Two requests TRL's configs make by default are honoured rather than refused (`plan_for_arguments`):
+`activation_checkpointing=True` means the plan recomputes ('full' unless the plan names a mode; HF's
+own checkpointing of the blocks is switched off, since meshkit drives them), and `bf16=True` means
+`param_dtype='bfloat16'` unless the plan names one (FSDP2's mixed precision: fp32 master weights and
+optimizer, bf16 compute, fp32 gradient reduction, as HF's autocast keeps fp32 weights).
+
 meshkit owns the whole layout (sharding, data ranks, precision, recompute, compilation), so every
 training argument that asks accelerate or transformers for one of these would either wrap the
 sharded model a second time or be silently ignored. Each is refused with the Plan field that does
@@ -9,6 +15,7 @@ the same job. The checks are pure: every rank computes the same list before any 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,6 +57,15 @@ def plan_from(value: Any) -> Plan:
                      "dict); fix: plan=meshkit.Plan(...); for a run without meshkit use transformers' own Trainer")
 
 
+def plan_for_arguments(plan: Plan, args: Any) -> Plan:
+    """The plan with the training arguments' recompute and bf16 requests folded in (module docstring)."""
+    if getattr(args, "activation_checkpointing", False) and plan.activation_checkpointing == "none":
+        plan = dataclasses.replace(plan, activation_checkpointing="full")
+    if getattr(args, "bf16", False) and plan.param_dtype == "float32":
+        plan = dataclasses.replace(plan, param_dtype="bfloat16")
+    return plan
+
+
 def argument_problems(args: Any, plan: Plan) -> list[str]:
     """Every training argument that conflicts with running under `plan`, each with its fix."""
     if args is None:
@@ -68,14 +84,11 @@ def argument_problems(args: Any, plan: Plan) -> list[str]:
     if given("parallelism_config") is not None:
         problems.append("parallelism_config with plan=: the plan is the whole layout; fix: drop parallelism_config "
                         "and put its degrees into the Plan (dp_replicate, dp_shard, cp, tp)")
-    if given("fp16") or given("bf16"):
-        problems.append(f"fp16={given('fp16')}, bf16={given('bf16')} with plan=: meshkit's precision is the plan's; "
-                        "fix: Plan(param_dtype='bfloat16') (fp32 master weights, reduce_dtype for gradients)")
+    if given("fp16"):
+        problems.append("fp16=True with plan=: float16 training needs loss scaling, which meshkit does not do; fix: "
+                        "bf16=True or Plan(param_dtype='bfloat16') (fp32 master weights, fp32 gradient reduction)")
     if given("torch_compile"):
         problems.append("torch_compile=True with plan=: fix: Plan(compile=True), which compiles each block")
-    if given("activation_checkpointing") or given("gradient_checkpointing"):
-        problems.append("activation_checkpointing=True with plan=: fix: Plan(activation_checkpointing='full' or "
-                        "'selective')")
     if given("use_liger_kernel"):
         problems.append("use_liger_kernel=True with plan=: Liger replaces the model's forward, which meshkit drives; "
                         "fix: use_liger_kernel=False")

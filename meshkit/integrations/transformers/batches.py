@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from meshkit.inference.hf_forward import PACKING_KWARGS
 from meshkit.plan import Plan
 from meshkit.step.loss import IGNORE_INDEX
 
@@ -37,10 +38,12 @@ class StepBatch(NamedTuple):
 
 def batch_problem(inputs: Mapping[str, Any], need_labels: bool) -> str | None:
     """What keeps meshkit's step from running this batch as the HF model would, or None (local)."""
-    extra = sorted(set(inputs) - set(KEYS))
+    extra = sorted(set(inputs) - set(KEYS) - set(PACKING_KWARGS))
     if extra:
         return (f"the batch holds {extra}, which meshkit's training step does not take (it takes {list(KEYS)}); fix: "
                 "a collator without them, or a compute_loss of your own (pp = 1) that passes them to the model")
+    if any(k in inputs for k in PACKING_KWARGS) and inputs.get("position_ids") is None:
+        return "packing boundaries (cu_seq_lens) without position_ids; fix: a collator that sets position_ids"
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return f"input_ids must be a tensor [batch, seq], got {getattr(ids, 'shape', type(ids).__name__)}"

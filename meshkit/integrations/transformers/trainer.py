@@ -37,9 +37,9 @@ from transformers.trainer_optimizer import is_optimizer_factory
 
 import meshkit
 from meshkit.inference.hf_forward import parallel_model_of
+from meshkit.integrations.transformers import arguments as arguments_lib
 from meshkit.integrations.transformers import checkpoints
 from meshkit.integrations.transformers.accelerator import MeshkitAccelerator
-from meshkit.integrations.transformers.arguments import argument_problems, optimizer_problem, plan_from
 from meshkit.integrations.transformers.batches import batch_problem, step_batch
 from meshkit.integrations.transformers.fused_head import FusedHeadForward
 from meshkit.mesh import axis, require_launcher, world_size_from_env
@@ -70,10 +70,10 @@ class MeshkitTrainerMixin:
 
     def __init__(self, *args: Any, plan: Any = None, load_weights: str | None = None, **kwargs: Any):
         """Check the plan and the arguments on every rank, build the mesh, then the parent's `__init__`."""
-        plan = plan_from(plan)
+        plan = arguments_lib.plan_from(plan)
         named = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         model = named.get("model")
-        problems = argument_problems(named.get("args"), plan)
+        problems = arguments_lib.argument_problems(named.get("args"), plan)
         own_loss = self._uses_own_loss(named.get("compute_loss_func"), named.get("args"))
         if plan.pp > 1 and own_loss:
             problems.append(f"pp={plan.pp} with {own_loss}: a pipeline never gathers the logits an arbitrary loss "
@@ -118,6 +118,7 @@ class MeshkitTrainerMixin:
                                  f"{self._meshkit_plan.describe()}; fix: pass the same plan, or an unparallelized model")
         else:
             meta = any(p.is_meta for p in model.parameters())
+            self._meshkit_plan = arguments_lib.plan_for_arguments(self._meshkit_plan, self.args)
             pm = meshkit.parallelize(model, self._meshkit_plan, mesh=self._meshkit_mesh)
             if meta and self._meshkit_load:
                 pm.load_hf_checkpoint(self._meshkit_load)
@@ -125,6 +126,8 @@ class MeshkitTrainerMixin:
                 pm.init_weights(self.args.seed)
         if pm.plan.pp == 1:
             model.forward = FusedHeadForward(pm)  # after TRL's own patch: its fused head cannot run on shards
+        # The plan recomputes (plan_for_arguments); HF's checkpointing of the blocks meshkit drives stays off.
+        model.activation_checkpointing_enable = model.gradient_checkpointing_enable = _recompute_is_the_plans
         if not trainable:
             pm.eval()
         return pm
@@ -232,7 +235,7 @@ class MeshkitTrainerMixin:
             optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
         else:
             optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
-        problem = optimizer_problem(kwargs, self.args.optim)
+        problem = arguments_lib.optimizer_problem(kwargs, self.args.optim)
         if problem is None and is_optimizer_factory(optimizer_cls):
             problem = f"optim={self.args.optim!r} is an optimizer factory that walks the model itself; fix: optim='adamw_torch'"
         if problem:
@@ -283,6 +286,10 @@ class MeshkitTrainerMixin:
         checkpoints.save_model(self, output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _recompute_is_the_plans(*args: Any, **kwargs: Any) -> None:
+    """Stands in for HF's `activation_checkpointing_enable` on a parallelized model: the plan decides."""
 
 
 class _RouterBiasUpdate(TrainerCallback):
