@@ -10,8 +10,7 @@ splits of the same batch in one process, its own behaviour), so SFT is compared 
 from __future__ import annotations
 
 import pytest
-import torch
-from trainer_cases import CHAT, conversations, losses, make_tokenizer, prompt_completions
+from trainer_cases import CHAT, conversations, losses, make_tokenizer, preferences, prompt_completions
 
 import meshkit
 from meshkit.integrations.transformers import meshkit_trainer
@@ -84,5 +83,47 @@ def test_sft_matches_trl_on_the_global_batch(dist, tmp_path, tokenizer_dir, plan
         assert worst <= 1e-6, f"{plan}, rank {rank}: token accuracy {r['accuracy']} vs TRL {ref['accuracy']}"
     state = results[0]["state"]
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items() if v.numel())
-    print(plan, ref["losses"], results[0]["losses"], worst)
+    assert worst <= SFT_PARAM_TOL, f"{plan}: weights differ from TRL's by {worst:.3g}"
+
+
+def _dpo(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str, per_device: int) -> dict:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cls = trl.DPOTrainer if plan is None else meshkit_trainer(trl.DPOTrainer)
+    kwargs = {} if plan is None else {"plan": plan}
+    args = trl.DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=3, learning_rate=1e-2,
+                         adam_epsilon=1e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                         use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, bf16=False, beta=0.5)
+    # The reference: the same initial weights, frozen; under the plan it is parallelized like the policy.
+    trainer = cls(model=CHAT.build(), ref_model=CHAT.build(), args=args, train_dataset=Dataset.from_list(data),
+                  processing_class=tok, **kwargs)
+    trainer.train()
+    history = trainer.state.log_history
+    keys = ("loss", "rewards/margins", "logps/chosen", "rewards/accuracies")
+    logged = {k: [e[k] for e in history if "loss" in e] for k in keys}
+    if plan is None:
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    else:
+        state = trainer.parallel_model.full_state_dict()
+        assert trainer.ref_parallel_model.plan == trainer.parallel_model.plan
+    return {"logged": logged, "state": state}
+
+
+@pytest.mark.parametrize("plan, ranks", [("tp=2,dp_shard=2", 4), ("cp=2,dp_shard=2,cp_attention=zigzag", 4)])
+def test_dpo_with_a_reference_model_under_the_same_plan_matches_trl(dist, tmp_path, tokenizer_dir, plan, ranks):
+    dp = meshkit.Plan.from_string(plan).resolve(ranks).dp
+    data = preferences(2 * dp * 3)
+    ref = _dpo(None, tokenizer_dir, data, str(tmp_path / "ref"), 2 * dp)
+    results = dist(ranks).run(_dpo, plan, tokenizer_dir, data, str(tmp_path / "mk"), 2)
+    for rank, r in enumerate(results):
+        for key, values in ref["logged"].items():
+            assert len(values) == 3, (key, values)
+            worst = max(abs(a - b) for a, b in zip(r["logged"][key], values))
+            assert worst <= 1e-4, f"{plan}, rank {rank}: {key} {r['logged'][key]} vs TRL {values}"
+    state = results[0]["state"]
+    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items() if v.numel())
+    print(plan, ref["logged"], results[0]["logged"], worst)
     assert worst <= SFT_PARAM_TOL, f"{plan}: weights differ from TRL's by {worst:.3g}"

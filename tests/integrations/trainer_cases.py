@@ -58,20 +58,31 @@ def losses(log_history: list[dict]) -> list[float]:
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
+class OwnLoss(transformers.Trainer):
+    """A user's `compute_loss` override (HF's loss through the model's own forward, logits checked)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """HF's loss; the logits must come back whole, one row per example, every position."""
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        assert outputs.logits.shape == (*inputs["input_ids"].shape, VOCAB), outputs.logits.shape
+        return (loss, outputs) if return_outputs else loss
+
+
 def reference_run(spec: ModelSpec, data: list[dict], output_dir: str, per_device: int, accumulation: int,
-                  steps: int = 3, **extra) -> dict:
+                  steps: int = 3, trainer_cls=transformers.Trainer, eval_data: list[dict] | None = None,
+                  **extra) -> dict:
     """HF's own Trainer, one process, the global batch per step: its losses, grad norms and weights."""
     from datasets import Dataset
 
     model = spec.build()
-    args = arguments(output_dir, per_device, accumulation, steps, **extra)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Dataset.from_list(data),
-                                   data_collator=collate)
+    args = arguments(output_dir, per_device, accumulation, steps, per_device_eval_batch_size=per_device, **extra)
+    trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(data), data_collator=collate,
+                          eval_dataset=None if eval_data is None else Dataset.from_list(eval_data))
     trainer.train()
     norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     return {"losses": losses(trainer.state.log_history), "norms": norms,
+            "eval": None if eval_data is None else trainer.evaluate()["eval_loss"],
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-
 
 CHAT_VOCAB = 320
 CHAT = ModelSpec(layers=2, vocab=CHAT_VOCAB)
@@ -110,3 +121,9 @@ def conversations(count: int) -> list[dict]:
             messages += [{"role": "user", "content": "say hello"}, {"role": "assistant", "content": "hello" + " a" * i}]
         out.append({"messages": messages})
     return out
+
+
+def preferences(count: int) -> list[dict]:
+    """Prompt, chosen and rejected completions of different lengths."""
+    return [{"prompt": f"what is {i} plus two" + " plus" * (i % 3), "chosen": f" it is {i + 2}",
+             "rejected": " a cat sat on the mat" + " a dog" * (i % 2)} for i in range(count)]
