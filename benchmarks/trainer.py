@@ -11,6 +11,8 @@ step) on every side; only the parallelism differs:
   ParallelismConfig on CPU processes (`DistributedType.MULTI_CPU`); the run records its refusal, and
   meshkit's tp=2 is reported against DDP.
 
+Every variant steps on the same global batch (4 rows, split over its data ranks), so all first losses agree.
+
 A step's CPU time is `time.process_time()` from the Trainer's `on_step_begin` to `on_step_end` (the
 forward and backward of the step's batch, clipping, the optimizer and scheduler steps, logging),
 summed over both ranks, after warm-up steps. The machine is 2 cores shared with other work: every
@@ -30,13 +32,14 @@ import torch
 import torch.distributed as dist
 import transformers
 
+import meshkit
 from benchmarks.launch import run_ranks, seeded_llama
 from benchmarks.report import emit, machine_line, paired, table
 
 MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024, use_cache=False,
              tie_word_embeddings=False, attn_implementation="sdpa")
-PER_DEVICE, SEQ = 2, 256
+GLOBAL_BATCH, SEQ = 4, 256  # rows per optimizer step, split over each variant's data ranks
 QUICK = dict(reps=2, steps=3, warmup=1)
 FULL = dict(reps=5, steps=4, warmup=2)
 # (name, meshkit plan or None for HF's own Trainer, extra TrainingArguments)
@@ -96,12 +99,13 @@ def train_variant(name: str, steps: int, warmup: int, output_dir: str) -> dict[s
     if extra.get("parallelism_config") == "tp":
         extra["parallelism_config"] = ParallelismConfig(tp_size=dist.get_world_size())
     total = warmup + steps
+    dp = meshkit.Plan.from_string(plan).resolve(dist.get_world_size()).dp if plan else dist.get_world_size()
     args = transformers.TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=total, learning_rate=1e-4,
+        output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=total, learning_rate=1e-4,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
         disable_tqdm=True, **extra)
     clock = _StepClock(warmup)
-    data = Dataset.from_list(_rows(PER_DEVICE * dist.get_world_size() * total))
+    data = Dataset.from_list(_rows(GLOBAL_BATCH * total))
     kwargs = dict(model=model, args=args, train_dataset=data, data_collator=_collate, callbacks=[clock])
     try:
         trainer = Trainer(plan=plan, **kwargs) if plan else transformers.Trainer(**kwargs)
@@ -139,7 +143,8 @@ def report(result: dict[str, Any], settings: dict[str, int]) -> list[str]:
     cpu, wall, losses, refused = result["cpu"], result["wall"], result["losses"], result["refused"]
     lines = ["# meshkit's Trainer vs HF's own Trainer: CPU time per optimizer step (2 gloo ranks)", "",
              machine_line(), f"- model: {MODEL['num_hidden_layers']} Llama blocks, hidden {MODEL['hidden_size']}, "
-             f"vocab {MODEL['vocab_size']}; {PER_DEVICE} rows x {SEQ} tokens per data rank, fp32, AdamW, clipping; "
+             f"vocab {MODEL['vocab_size']}; {GLOBAL_BATCH} rows x {SEQ} tokens per optimizer step (over the data ranks), "
+             "fp32, AdamW, clipping; "
              f"{settings['reps']} repetitions x {settings['steps']} timed steps after {settings['warmup']} warm-up; "
              "CPU = process time summed over both ranks; ratio = median over repetitions", ""]
     rows = []

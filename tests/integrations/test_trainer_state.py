@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import transformers
 from trainer_cases import (
     DENSE,
@@ -108,3 +109,24 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(dist, tmp_path
     for o in dist(2).run_raw(_refused, plan, case, str(tmp_path), timeout=60.0):
         assert not o.ok and o.exc_type in ("ValueError", "PlanError"), f"rank {o.rank}: {o.exc_type}: {o.message}"
         assert expected in o.message and "fix" in o.message, o.message
+
+
+def _collate_odd_on_rank_1(features: list[dict]) -> dict:
+    batch = collate(features)
+    if torch.distributed.get_rank() == 1:
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    return batch
+
+
+def _bad_batch_on_one_rank(output_dir: str) -> None:
+    from datasets import Dataset
+
+    Trainer(model=DENSE.build(), args=arguments(output_dir, 2), train_dataset=Dataset.from_list(rows(16)),
+            data_collator=_collate_odd_on_rank_1, plan="tp=2,dp_shard=2").train()
+
+
+def test_a_batch_only_one_rank_cannot_run_is_refused_on_every_rank(dist, tmp_path):
+    """Data ranks load different rows, so one rank's bad batch must stop all of them before the step."""
+    for o in dist(4).run_raw(_bad_batch_on_one_rank, str(tmp_path), timeout=120.0):
+        assert not o.ok and o.exc_type == "ValueError", f"rank {o.rank}: {o.exc_type}: {o.message}"
+        assert "rank 1: the batch holds ['token_type_ids']" in o.message, o.message

@@ -160,16 +160,25 @@ class MeshkitTrainerMixin:
 
     # ------------------------------------------------------------------ the step
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
-        """Valid targets of the accumulation window over every data rank (the global loss denominator)."""
-        if not batch_samples or "labels" not in batch_samples[0] and "shift_labels" not in batch_samples[0]:
-            return None
+        """Valid targets of the accumulation window over every data rank (the global loss denominator).
+
+        With the Trainer's own loss the window's batches are also checked here (`batches.batch_problem`),
+        before any collective of the step: the verdict rides on the count's all-reduce (over the world,
+        then divided by the processes that share a batch), and only a bad window costs a second one.
+        """
+        problem = None
+        if not self._meshkit_own_loss:
+            problem = next(filter(None, (batch_problem(b, need_labels=True) for b in batch_samples)), None)
+        labelled = bool(batch_samples) and ("labels" in batch_samples[0] or "shift_labels" in batch_samples[0])
         local = sum(int(((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:]) != IGNORE_INDEX).sum())
-                    for b in batch_samples)
+                    for b in batch_samples) if labelled and problem is None else 0
         pm = self.parallel_model
-        count = torch.tensor(local, dtype=torch.int64, device=pm.device)
-        if pm.dp_size > 1:
-            dist.all_reduce(count, group=self.accelerator.meshkit_dp_group)
-        return count.to(device)
+        both = torch.tensor([local, problem is not None], dtype=torch.int64, device=pm.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(both)
+        if int(both[1]):
+            raise_if_any(problem, device=pm.device)
+        return torch.div(both[0], self.get_tp_size(), rounding_mode="floor").to(device) if labelled else None
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         """One microbatch: `pm.forward_backward` for the Trainer's own loss, else the parent's step on the
@@ -182,7 +191,7 @@ class MeshkitTrainerMixin:
         model.train()
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
-        _, batch = self._step_batch(inputs, need_labels=True)
+        batch = step_batch(self._prepare_inputs(inputs), pm.plan)  # checked with the window's count
         denominator = None if num_items_in_batch is None else float(num_items_in_batch)
         loss = pm.forward_backward(batch.input_ids, batch.labels, position_ids=batch.position_ids,
                                    loss_denominator=denominator, last_microbatch=last)
