@@ -243,7 +243,7 @@ class TensorBoardLogger:
     TensorBoard show interleaved, duplicated curves.
     """
 
-    def __init__(self, log_dir: str, rank: int | None = None) -> None:
+    def __init__(self, log_dir: str, rank: int | None = None, purge_step: int | None = None) -> None:
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
         self.log_dir = log_dir
@@ -251,7 +251,9 @@ class TensorBoardLogger:
         if rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=log_dir)
+            # purge_step: a resumed run continues the same directory; events a killed launch wrote
+            # at or past the resumed step are dropped, so every step shows once.
+            self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log(self, step: int, scalars: Mapping[str, float | None], prefix: str = "train/") -> None:
         """Write each non-None value as a scalar at `step` (rank 0 only)."""

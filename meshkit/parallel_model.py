@@ -26,15 +26,15 @@ from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.inference import forward, generate
 from meshkit.mesh import axis
+from meshkit.pipeline.costs import PlanSchedules
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
-from meshkit.pipeline.schedules import build_schedule, forward_only
 from meshkit.plan import DTYPES, Plan
 from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
+from meshkit.step.grad_sync import every_sum_of_a_call, summed_in_place
 from meshkit.step.router_aux import AuxLosses
 from meshkit.tensor_parallel.styles import dtensor_params, loss_context, place_grads_like_params
 
@@ -49,6 +49,7 @@ class Sharded:
     tp_summed_params: tuple[nn.Parameter, ...] = ()  # MoE weights every TP rank holds whole: summed over tp
     tied_aliases: Mapping[str, str] = field(default_factory=dict)  # pp > 1: {LM head copy: embedding}
     tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies (None: one rank)
+    mirror_group: dist.ProcessGroup | None = None  # DualPipe: pp ranks r and pp-1-r, holding the same layers
 
 
 class ParallelModel:
@@ -63,9 +64,7 @@ class ParallelModel:
         self.device = sharded.device
         self._stages = stages
         self._pp = axis(mesh, "pp")
-        self._schedule = (build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
-                          if plan.pp > 1 else None)
-        self._eval_schedule = forward_only(self._schedule) if self._schedule is not None else None
+        self._schedules = PlanSchedules(plan) if plan.pp > 1 else None  # zb_auto may rebuild after measuring
         self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
@@ -85,6 +84,12 @@ class ParallelModel:
         self._tied_params = [named[n] for n in tied_names if id(named[n]) in held]
         self._tied_group = sharded.tied_group
         self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
+        # DualPipe: the mirror pp rank holds the same layers; their gradients are summed over the pair (one
+        # all-reduce, parameters in name order) and the norm counts the down pipeline's copy only.
+        self._mirror_group, self._mirror_params = sharded.mirror_group, []
+        if self._mirror_group is not None:
+            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held]
+            self._not_in_norm |= {id(p) for s, part in stages.items() if s >= plan.pp for p in part.parameters()}
         # Router auxiliary terms (meshkit MoE coefficients, HF's output_router_logits): weights and values.
         self._aux = AuxLosses(model, self.model_parts, mesh, plan.microbatches)
 
@@ -192,25 +197,17 @@ class ParallelModel:
         self._aux.begin(weight)
         hf_aux = None
         with self._gradient_call(last_microbatch), loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            if self._schedule is not None:
-                share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)
+            if self._schedules is not None:
+                share = self._pipeline_step(self._schedules.train, batch, denominator, last_microbatch)
             else:
                 share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
         return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
 
     @contextlib.contextmanager
     def backward_context(self, last_microbatch: bool = True) -> Iterator[None]:
-        """Around one forward through the model's own `forward` (pp = 1) and its backward: the plan's
-        gradient policy, as `forward_backward` applies it to its own call.
-
-        A trainer's `compute_loss` (TRL's, a user's) calls `model(...)` and backpropagates a loss of its
-        own; the plans that finish gradients after backward (`finishes_grads_after_backward`) need this
-        scope around both, and the model's forward refuses to build a graph there outside it.
-        """
+        """Around the model's own forward (pp = 1) and the backward of a loss of the caller's: the plan's
+        gradient policy, as `forward_backward` applies it (see `meshkit.inference.hf_forward`)."""
         self._check_call("backward_context", last_microbatch)
-        if self.plan.pp > 1:
-            raise ValueError(f"backward_context: pp={self.plan.pp}: no rank holds the whole model, so the model's "
-                             "own forward cannot run; fix: pm.forward_backward(input_ids, labels)")
         self.backward_context_open = True
         try:
             with self._gradient_call(last_microbatch), zero_stages.backward_call(
@@ -221,8 +218,7 @@ class ParallelModel:
 
     @property
     def finishes_grads_after_backward(self) -> bool:
-        """Whether meshkit works on gradients after backward: ZeRO-1's deferred reduce-scatter, TP without
-        FSDP placing gradients like their parameters, sums of weights several ranks hold whole."""
+        """Whether gradients are final only after meshkit's work past backward (ZeRO-1, TP without FSDP, sums)."""
         return bool((self.plan.zero == 1 and self._fsdp_roots) or self._reduce_tp_grads
                     or self.sums_grads_after_backward)
 
@@ -235,17 +231,15 @@ class ParallelModel:
         if not isinstance(last_microbatch, bool):
             raise ValueError(f"{what}: last_microbatch={last_microbatch!r} must be True or False")
         if self._fused is not None and not last_microbatch:
-            raise ValueError(f"{what}: last_microbatch=False with the optimizer fused into backward: each "
-                             "call steps the parameters, so a gradient is never accumulated over a window; fix: "
-                             "one call per step, or the optimizer unfused")
+            raise ValueError(f"{what}: last_microbatch=False with the optimizer fused into backward (each call "
+                             "steps the parameters: no window accumulates); fix: one call per step, or unfused")
 
     @contextlib.contextmanager
     def _gradient_call(self, last_microbatch: bool) -> Iterator[None]:
         """The gradient sums meshkit makes itself around one call, then TP placement and fused steps."""
         self._window_open = not last_microbatch
-        with summed_per_call(self._tp_summed_params, self._tp_group), \
-                summed_per_call(self._tied_params, self._tied_group), \
-                copies_summed_per_call(self._tied_params if self._tied_group is None else []):
+        with every_sum_of_a_call((self._mirror_params, self._mirror_group), (self._tp_summed_params, self._tp_group),
+                                 (self._tied_params, self._tied_group)):
             yield
             if self._reduce_tp_grads:
                 place_grads_like_params(dtensor_params(self.model_parts))
@@ -284,8 +278,8 @@ class ParallelModel:
         self._aux.begin(1.0, measure=True)
         hf_aux = None
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            if self._eval_schedule is not None:
-                share = self._pipeline_step(self._eval_schedule, batch, denominator)
+            if self._schedules is not None:
+                share = self._pipeline_step(self._schedules.evaluate, batch, denominator)
             else:
                 (stage,) = self.model_parts
                 logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
@@ -305,30 +299,30 @@ class ParallelModel:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 gather: bool = False) -> torch.Tensor:
         """Logits [B, S, vocab] (fp32, no gradients) of this data rank's batch, equal to the single-device
-        model's, on every rank of every plan.
-
-        Any sequence length works (padded internally to what cp/SP need); context shards come back
-        gathered in token order; under pp the last stage's logits are broadcast to every pipeline
-        rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
-        tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
-        Collective over the whole mesh: every rank calls it. See `meshkit.inference.forward`.
-        """
+        model's, on every rank of every plan; any sequence length. Under tp with `loss_parallel` the
+        vocabulary stays split (a DTensor `Shard(2)`) unless `gather=True`. Collective: every rank calls
+        it. See `meshkit.inference.forward`."""
         return forward.forward(self, input_ids, position_ids, gather=gather)
 
-    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
-                 seed: int = 0) -> torch.Tensor:
+    def generate(self, prompt_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 stop_strings: str | list[str] | None = None, tokenizer=None, seed: int = 0) -> torch.Tensor:
         """Continue this data rank's prompts [B, P]; return [B, P + n] token ids, n <= max_new_tokens.
 
-        temperature 0 is greedy, token for token what HF's `generate(do_sample=False)` gives on the
-        single-device model (same eos/pad handling: finished rows are padded with `pad_token_id`,
-        default the first eos id; decoding stops when every row has emitted an eos). temperature > 0
-        samples (optionally among the `top_k` best), reproducibly for a given `seed`. A KV cache is
-        used under every plan except cp > 1, where each step recomputes the whole sequence. Every
-        rank calls it with the same `max_new_tokens`; see `meshkit.inference.generate`.
+        Options mean and default what they do in HF's `generate` (None: the model's generation_config,
+        then HF's default), and greedy decoding is token for token HF's on the single-device model:
+        eos/pad, left-padded prompts with their `attention_mask`, `repetition_penalty`, `stop_strings`
+        (read with `tokenizer`); `do_sample=True` draws reproducibly for a `seed`. Collective: ranks
+        agree on max_new_tokens and stopping conditions (tp/cp/pp peers on everything) or all raise.
+        See `meshkit.inference.generate`.
         """
-        return generate.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+        return generate.generate(self, prompt_ids, attention_mask=attention_mask, tokenizer=tokenizer,
+                                 max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings,
+                                 seed=seed)
 
     def _pipeline_step(self, schedule, batch: LocalBatch, denominator: float,
                        last_microbatch: bool = True) -> torch.Tensor:
@@ -348,11 +342,14 @@ class ParallelModel:
         shapes = TensorMeta((rows_total // m, seq // sp, self.model.config.hidden_size), dtype)
         kwargs = [{"position_ids": per_row(batch.position_ids, r), "doc_ids": per_row(batch.doc_ids, r)}
                   for r in rows]
+        trace = self._schedules.trace_for(schedule)
         losses = run_schedule(schedule, self._stages, pp_group=self._pp.get_group(),
                               microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
                               shapes=shapes, stage_kwargs=kwargs, device=self.device,
                               reduce_grads=zero_stages.syncs_now(self.plan.grad_sync, last_microbatch),
-                              reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch))
+                              reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch), trace=trace)
+        if trace is not None:  # zb_auto's profiling run: every rank agrees on the measured costs, then rebuilds
+            self._schedules.measured(trace, self._pp.get_group(), shapes, self.device)
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(t.full_tensor() if isinstance(t, DTensor) else t for t in losses)
@@ -366,7 +363,13 @@ class ParallelModel:
                        device=self.device, check=self.check_inputs)
 
     def update_expert_biases(self) -> None:
-        """DeepSeek-V3 router-bias step of every MoE layer (call after `optimizer.step()`; no-op if unused)."""
+        """DeepSeek-V3 router-bias step of every MoE layer (call after `optimizer.step()`; no-op if unused).
+
+        Under DualPipe each copy of a router counted half the microbatches: the pair sums the counts first,
+        so both copies take the same step."""
+        if self._mirror_group is not None:
+            counts = [b for n, b in sorted(self.model.named_buffers()) if n.endswith(".load_counts_E") and not b.is_meta]
+            summed_in_place(counts, self._mirror_group)
         for part in self.model_parts:
             update_expert_biases(part)
 
@@ -424,9 +427,11 @@ class ParallelModel:
         """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
         hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, **kwargs) -> None:
-        """Write a directory `from_pretrained` loads (rank 0 writes; every rank calls it)."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, **kwargs)
+    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+        """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
+        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
+        Only rank 0 assembles the full state and writes; every rank calls it."""
+        hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.

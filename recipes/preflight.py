@@ -18,14 +18,17 @@ import math
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
-import data_setup  # the recipe's own module beside this one (the script's folder is on sys.path)
+import checkpointing  # the recipe's own modules beside this one (the script's folder is on sys.path)
+import data_setup
+from train_config import TrainConfig, build_model_config
 
 import meshkit
-from meshkit import estimate
-from meshkit.models.moe import LLAMA_MOE_KEY
+from meshkit import estimate, metrics
+from meshkit.models.moe import LLAMA_MOE_KEY, moe_spec
 from meshkit.step.consensus import raise_if_any
 
 # Ranges of the known [train] and [data] fields; fields other modules add are type-checked only.
@@ -136,16 +139,22 @@ def shape_problems(run: Any, model_config: Any, world: int) -> list[str]:
     return []
 
 
-def check_config(run: Any, model_config: Any, world: int) -> None:
-    """Every config problem at once, as one ValueError (pure: identical on every rank)."""
+def config_problems(run: Any, model_config: Any, world: int) -> list[str]:
+    """Every config problem, one line each (pure: identical on every rank)."""
     found = field_problems(run.train, "train") + field_problems(run.data, "data")
     try:
         data_setup.check_data_config(run.data)
     except ValueError as err:
         found.append(str(err))
     found += model_key_problems(run.model, model_config)
-    if not found:  # shapes need sane numbers
+    if not any(p.startswith(("[train] seq_len=", "[train] local_batch=")) for p in found):  # shapes need sane numbers
         found += shape_problems(run, model_config, world)
+    return found
+
+
+def check_config(run: Any, model_config: Any, world: int) -> None:
+    """Every config problem at once, as one ValueError (pure: identical on every rank)."""
+    found = config_problems(run, model_config, world)
     if found:
         raise ValueError("the configuration has problems:\n  - " + "\n  - ".join(found))
 
@@ -206,3 +215,63 @@ def restart_store_warning(env: dict[str, str] | None = None) -> str | None:
     return ("meshkit: warning: torchrun shares its rendezvous store with the workers, and a restart can then "
             "connect to the killed attempt's ranks (pytorch/pytorch#135712); fix: launch with "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")
+
+
+def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
+    """meshkit.estimate's per-rank peak for this run, or None for a stack mixing dense and MoE blocks.
+
+    Printed beside the measured peak so a user sees how far the estimator is from their hardware
+    before trusting it for a plan they cannot try. The workload mirrors the loop: under pipelining the
+    local batch is split into the plan's microbatches, and grad_accum pipeline calls make up a step.
+    """
+    spec = moe_spec(model_config)
+    if spec is not None and len(spec.layers) != model_config.num_hidden_layers:
+        return None
+    plan = plan.resolve(world)
+    pipelined = plan.pp > 1
+    mbs = cfg.local_batch // plan.microbatches if pipelined else cfg.local_batch
+    microbatches = cfg.grad_accum * (plan.microbatches if pipelined else 1)
+    device = "h200" if metrics.detect_device() == "h200" else "h100"  # memory does not depend on the device
+    workload = estimate.Workload(cfg.seq_len, max(mbs, 1), microbatches)
+    return estimate.estimate(model_config, plan, world, workload, device).peak_bytes
+
+
+def print_prediction(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
+    """The prediction, or None with one printed line: an estimator failure must never stop training."""
+    try:
+        predicted = predicted_peak_bytes(model_config, plan, world, cfg)
+    except Exception as err:  # noqa: BLE001 - any estimator bug is reported, not fatal
+        print(f"meshkit: estimate: failed ({type(err).__name__}: {err}); training continues", flush=True)
+        return None
+    if predicted is None:
+        print("meshkit: estimate: n/a for stacks mixing dense and MoE blocks", flush=True)
+    else:
+        print(f"meshkit: estimate: predicted peak {predicted / 2**30:.3g} GiB per rank (meshkit.estimate; "
+              "tensors only, so on CPU the measured RSS adds the interpreter and libraries)", flush=True)
+    return predicted
+
+
+def check_only(run: Any, world: int) -> int:
+    """`train_llama.py --check --world N`: every pre-flight check on this one process, then the estimate.
+
+    A torchrun launch spends its first 20-30 s forming the process group and building the model
+    before the first config error; this runs the same checks (config, plan for N ranks, data
+    stores, save directory, the resume decision) without torchrun or a process group, lists every
+    problem at once and exits 2, or prints the plan and the estimated peak memory and exits 0.
+    """
+    model_config, model_dir, _ = build_model_config(run.model)
+    problems = config_problems(run, model_config, world)
+    problems += data_setup.data_problems(run.data, run.train, model_config, model_dir)[1]
+    if run.train.save_every:
+        problems.append(save_dir_problem(run.train.save_dir, checkpoint_bytes(model_config)))
+    if run.train.resume or run.train.save_every:
+        problems.append(checkpointing.decide(run.train).error)
+    problems = [p for p in problems if p]
+    if problems:
+        sys.stderr.write(f"--check: {len(problems)} problem(s) for {world} rank(s):\n  - " + "\n  - ".join(problems)
+                         + "\n")
+        return 2
+    plan = run.plan.resolve(world)
+    print(f"--check: ok for {world} rank(s): plan {plan.describe()}, config, data and save dir checked", flush=True)
+    print_prediction(model_config, plan, world, run.train)
+    return 0

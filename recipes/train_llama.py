@@ -28,12 +28,12 @@ import preflight
 import torch
 import torch.distributed as dist
 from checkpointing import Checkpointing
-from loss_plot import write_loss_plot
+from data_setup import MarkovTokens
 from nonfinite import NonFiniteGuard
+from run_log import LOG_KEY, RunLog
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 from tqdm import tqdm
 from train_config import (  # the recipe's own module beside this script (the script's folder is on sys.path)
-    DataConfig,
     RunConfig,
     TrainConfig,
     apply_cli,
@@ -45,55 +45,18 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import meshkit
-from meshkit import estimate, heartbeat, metrics
+from meshkit import heartbeat, metrics
 from meshkit.mesh import ensure_process_group, world_size_from_env
-from meshkit.models.moe import moe_spec
 from meshkit.state.run_record import resume_problem, run_record, with_run_record
 
 # ------------------------------------------------------------------------------------------- data
-
-
-class MarkovTokens:
-    """Deterministic synthetic batches: rows of the GLOBAL batch, a function of (seed, step, micro-batch).
-
-    Each data rank keeps its rows of a global batch, so tp/cp/pp peers (same dp_rank) agree by
-    construction, and a run resumed under another plan with the same global batch sees the same tokens.
-    """
-
-    def __init__(self, vocab_size: int, seq_len: int, batch: int, dp_rank: int, config: DataConfig,
-                 dp_size: int = 1):
-        if config.branching < 1:
-            raise ValueError(f"[data] branching={config.branching}: must be >= 1")
-        self.vocab_size, self.seq_len, self.batch, self.dp_rank = vocab_size, seq_len, batch, dp_rank
-        self.dp_size = dp_size
-        self.seed = config.chain_seed
-        gen = torch.Generator().manual_seed(config.chain_seed)
-        self.successors = torch.randint(0, vocab_size, (vocab_size, config.branching), generator=gen)
-
-    def batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_033 + step) * 1_009 + micro)
-        rows = self.batch * self.dp_size
-        tokens = torch.empty(rows, self.seq_len, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, self.vocab_size, (rows,), generator=gen)
-        choice = torch.randint(0, self.successors.shape[1], (rows, self.seq_len), generator=gen)
-        for t in range(1, self.seq_len):
-            tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
-        mine = tokens[self.dp_rank * self.batch:(self.dp_rank + 1) * self.batch]
-        return mine, mine.clone()  # labels are unshifted (HF convention); meshkit shifts once
-
-    def held_out(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held-out batch `index`: the same chain, from seeds no training step uses."""
-        return self.batch_at(HELD_OUT_STEP, index)
-
-
-HELD_OUT_STEP = -1  # training steps count from 1
 
 
 def evaluate(pm: meshkit.ParallelModel, data: data_setup.SyntheticData | data_setup.StoreData, batches: int) -> float:
     """Loss over the held-out batches, weighted by their tokens (the single-device loss of them all)."""
     pm.eval()
     total = count = 0.0
-    for index in range(batches):
+    for index in range(data.held_out_batches(batches)):
         input_ids, labels, position_ids = data.held_out(index)
         tokens = pm.count_valid_tokens(labels)
         total += float(pm.evaluate(input_ids, labels, position_ids=position_ids)) * tokens
@@ -132,43 +95,6 @@ def follow_schedule_after_resume(scheduler: torch.optim.lr_scheduler.LRScheduler
     return restored, scheduler.get_last_lr()[0]
 
 
-# -------------------------------------------------------------------------------------- estimate
-
-
-def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
-    """meshkit.estimate's per-rank peak for this run, or None for a stack mixing dense and MoE blocks.
-
-    Printed beside the measured peak so a user sees how far the estimator is from their hardware
-    before trusting it for a plan they cannot try. The workload mirrors the loop: under pipelining the
-    local batch is split into the plan's microbatches, and grad_accum pipeline calls make up a step.
-    """
-    spec = moe_spec(model_config)
-    if spec is not None and len(spec.layers) != model_config.num_hidden_layers:
-        return None
-    plan = plan.resolve(world)
-    pipelined = plan.pp > 1
-    mbs = cfg.local_batch // plan.microbatches if pipelined else cfg.local_batch
-    microbatches = cfg.grad_accum * (plan.microbatches if pipelined else 1)
-    device = "h200" if metrics.detect_device() == "h200" else "h100"  # memory does not depend on the device
-    workload = estimate.Workload(cfg.seq_len, max(mbs, 1), microbatches)
-    return estimate.estimate(model_config, plan, world, workload, device).peak_bytes
-
-
-def _predict(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
-    """The prediction, or None with one printed line: an estimator failure must never stop training."""
-    try:
-        predicted = predicted_peak_bytes(model_config, plan, world, cfg)
-    except Exception as err:  # noqa: BLE001 - any estimator bug is reported, not fatal
-        print(f"meshkit: estimate: failed ({type(err).__name__}: {err}); training continues", flush=True)
-        return None
-    if predicted is None:
-        print("meshkit: estimate: n/a for stacks mixing dense and MoE blocks", flush=True)
-    else:
-        print(f"meshkit: estimate: predicted peak {predicted / 2**30:.3g} GiB per rank (meshkit.estimate; "
-              "tensors only, so on CPU the measured RSS adds the interpreter and libraries)", flush=True)
-    return predicted
-
-
 # ------------------------------------------------------------------------------------------- run
 
 
@@ -183,16 +109,6 @@ def _set_threads(cfg: TrainConfig) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(threads)
-
-
-def _run_name(run: RunConfig) -> str:
-    """One name for all ranks (rank 0's clock), so traces and TensorBoard land in one directory."""
-    name = run.train.name or f"{Path(run.source).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [name]
-        dist.broadcast_object_list(box, src=0)
-        name = box[0]
-    return name
 
 
 def _profiler(enabled: bool, trace_dir: Path, steps: int):
@@ -274,6 +190,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     scheduler = lr_schedule(optimizer, cfg)
     data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
         model_config.vocab_size, cfg.seq_len, cfg.local_batch, pm.dp_rank, run.data, pm.dp_size))
+    data_setup.use_data_tokens(pm.model, data, ckpt_dir)  # eos/pad that generation and the export stop at
     first_step = ckpt.restore(optimizer, scheduler, data=data.loader)
     if ckpt.resuming:
         restored_lr, lr_now = follow_schedule_after_resume(scheduler)
@@ -289,15 +206,16 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
     global_tokens = pm.dp_size * cfg.local_batch * cfg.grad_accum * cfg.seq_len
-    name = _run_name(run)
-    log_dir = Path(cfg.log_dir) / name
-    logger = metrics.TensorBoardLogger(str(log_dir), rank=rank)
+    logger = RunLog(run, ckpt.resumed_extra, first_step, rank)  # a resumed run continues its TensorBoard run
+    log_dir = logger.dir
     logger.text("config", f"plan: {plan}\n\ntrain: {cfg}\n\ndata: {run.data}\n\nmodel: {model_config.to_json_string()}")
     if rank == 0:
         print(f"meshkit: plan {plan.describe()} on {world} ranks | {n_nonembedding / 1e6:.2f}M non-embedding params | "
               f"{global_tokens:,} tokens/step | {fpt.model / 1e6:.2f} MFLOPs/token | "
               f"peak {peak / 1e12 if peak else float('nan'):.3g} TFLOP/s/device | TensorBoard: {log_dir}", flush=True)
-    predicted = _predict(model_config, plan, world, cfg) if rank == 0 else None  # only rank 0 prints and logs
+        for note in data.notes:
+            print(f"meshkit: {note}", flush=True)
+    predicted = preflight.print_prediction(model_config, plan, world, cfg) if rank == 0 else None  # rank 0 logs
     if predicted is not None:
         logger.log(first_step, {"predicted_peak_gib": predicted / 2**30})
 
@@ -335,8 +253,9 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         scheduler.step()
         loss_value = float(loss)  # a host sync, so the timing below covers the whole step
         step_s = time.perf_counter() - start
+        logger.remember(step, loss_value)  # before the save: the history a checkpoint keeps (loss.png)
         save_s = ckpt.after_step(step, optimizer, scheduler, last=step == cfg.steps,  # not in step_s
-                                 extra=with_run_record(None, record), data=data.loader)
+                                 extra=with_run_record({LOG_KEY: logger.extra()}, record), data=data.loader)
         if beat is not None:
             beat.progress(step)
         if prof is not None:
@@ -372,10 +291,14 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         prof.stop()
     bar.close()
     ckpt.close()
+    sample = None
     if cfg.sample_tokens and hasattr(data, "prompt"):  # token-store data: a held-out prompt, continued
-        _print_sample(pm, data, cfg.sample_tokens, rank)
+        sample = _print_sample(pm, data, cfg.sample_tokens, rank)
     if cfg.export_hf:
-        pm.save_hf_checkpoint(cfg.export_hf)
+        if data.tokenizer is None and rank == 0:
+            print(f"meshkit: {cfg.export_hf}: exported without a tokenizer (neither the data nor the model directory "
+                  "holds one)", flush=True)
+        pm.save_hf_checkpoint(cfg.export_hf, tokenizer=data.tokenizer)
     logger.close()
     if not losses:  # resumed at or past the last step: nothing left to train
         if rank == 0:
@@ -384,7 +307,8 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": statistics.median(steady),
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
-               "run_id": ckpt.run_id, "data_wait_s": sum(waits)}
+               "run_id": ckpt.run_id, "data_wait_s": sum(waits), "sample": sample,
+               "loss_history": dict(logger.losses)}  # the whole run's, resumed launches included (loss.png)
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
         mem, mem_label = metrics.peak_memory()
@@ -395,8 +319,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
             memory += f" vs predicted {predicted / 2**30:.3g} GiB (measured/predicted {mem / predicted:.3g})"
         elif predicted:  # RSS also holds the interpreter and libraries: no ratio to tensor bytes
             memory += f"; the estimator predicts {predicted / 2**30:.3g} GiB of tensors"
-        plot = write_loss_plot(log_dir / "loss.png", dict(zip(range(first_step, cfg.steps + 1), losses)), eval_losses,
-                               data.reference_loss)
+        plot = logger.plot(data.reference_loss)
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
               f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
@@ -413,19 +336,26 @@ def _warn_once() -> None:
         hf_logging.set_verbosity_error()
 
 
-def _print_sample(pm: meshkit.ParallelModel, data: Any, tokens: int, rank: int) -> None:
-    """Greedy continuation of a held-out prompt (collective); skipped, with a note, for a store that
-    holds no tokenizer to decode with (the same on every rank: they read the same files)."""
+def _print_sample(pm: meshkit.ParallelModel, data: Any, tokens: int, rank: int) -> list[int] | None:
+    """Greedy continuation of a held-out prompt (collective), stopping where the model's generation
+    config says (its eos, as HF's generate); skipped, with a note, for a store that holds no tokenizer
+    or a prompt with no room left below max_position_embeddings (the same on every rank)."""
     try:
         prompt, tok = data.prompt()
     except ValueError as err:
         if rank == 0:
             print(f"meshkit: sample skipped ({err})", flush=True)
-        return
-    sample = pm.generate(prompt, max_new_tokens=tokens, eos_token_id=tok.eos_token_id)
+        return None
+    room = min(tokens, pm.model.config.max_position_embeddings - prompt.shape[1])
+    if room < 1:
+        if rank == 0:
+            print(f"meshkit: sample skipped (the prompt's {prompt.shape[1]} tokens fill max_position_embeddings)")
+        return None
+    sample = pm.generate(prompt, max_new_tokens=room, do_sample=False)
     if rank == 0:
         print(f"meshkit: sample (greedy) | {tok.decode(prompt[0])!r} -> {tok.decode(sample[0, prompt.shape[1]:])!r}",
               flush=True)
+    return sample[0].tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight.check_config_file(args.config)
         run = apply_cli(load_config(args.config), args)
+        if args.check:  # one process, no process group: every problem listed, or the estimate
+            return preflight.check_only(run, args.world or world_size_from_env())
         train(run)
     except ValueError as err:  # meshkit's PlanError included: a user error, not a crash
         # One write per rank, so eight ranks' messages do not interleave line by line.

@@ -5,7 +5,7 @@ Private or version-gated torch APIs (see `meshkit._compat`).
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def fsdp_sum_gradients(module) -> None:
@@ -91,3 +91,20 @@ def fsdp_after_unit_reduce(module, callback) -> None:
             return out
 
         group.post_backward = post_backward
+
+
+def fsdp_unit_policies(module) -> list[tuple[object, list]]:
+    """(offload policy, parameters) of every FSDP2 unit under `module`, each unit once, read from FSDP2's
+    private parameter groups: an offload policy changes placement, never CPU numerics, so only the
+    structure can show that every unit (the MoE experts' included) received the plan's policy."""
+    seen, units = set(), []
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = fully_shard.state(sub)
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        for group in _fsdp_param_groups(state):
+            units.append((group.offload_policy, [p.sharded_param for p in group.fsdp_params]))
+    return units

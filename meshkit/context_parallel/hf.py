@@ -126,13 +126,19 @@ def _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS) -> torch
 
     SDPA's `is_causal` aligns the mask top-left when the lengths differ, which would hide the cached
     keys from the new queries; the mask here is aligned bottom-right: query i sees keys up to
-    i + (keys - queries). Packed documents never reach a cache (generation runs one document a row).
+    i + (keys - queries). `doc_ids_BS`, when given, are the documents of every cached key (the
+    queries are the last of them): generation's left padding is a document of its own, which the
+    new tokens must not see.
     """
-    if doc_ids_BS is not None:
-        raise ValueError("meshkit attention: packed documents (position_ids restarting) cannot use a KV cache")
     sq, sk = q_BHSD.shape[2], k_BHSD.shape[2]
+    if doc_ids_BS is not None and doc_ids_BS.shape[1] != sk:
+        raise ValueError(f"meshkit attention: with a KV cache the document ids must cover every cached key "
+                         f"({sk}), got {doc_ids_BS.shape[1]}")
     rows = torch.arange(sq, device=q_BHSD.device).unsqueeze(1) + (sk - sq)
     mask_QK = torch.arange(sk, device=q_BHSD.device).unsqueeze(0) <= rows
+    if doc_ids_BS is not None:
+        same_BQK = doc_ids_BS[:, sk - sq:, None] == doc_ids_BS[:, None, :]
+        mask_QK = (mask_QK & same_BQK).unsqueeze(1)
     return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_QK, scale=scale,
                                           enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
 

@@ -32,7 +32,7 @@ def quirk_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
     """Causal attention over whole sequences with the quirks above; [B, H, S, D] in and out.
 
     Keys longer than queries (decoding with a KV cache) align bottom-right: the queries are the last
-    positions of the key sequence.
+    positions of the key sequence, and `doc_ids_BS` then covers the keys.
     """
     B, H, S, D = q_BHSD.shape
     Sk = k_BHSD.shape[2]
@@ -48,8 +48,8 @@ def quirk_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
     if sliding_window:
         keep = keep & (diff_SS < sliding_window)
     keep = keep[None, None]
-    if doc_ids_BS is not None:
-        keep = keep & (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :])[:, None]
+    if doc_ids_BS is not None:  # the documents of every key; the queries are the last S of them
+        keep = keep & (doc_ids_BS[:, Sk - S:, None] == doc_ids_BS[:, None, :])[:, None]
     s_BHSS = s_BHSS.masked_fill(~keep, -math.inf)
     if sinks_H is not None:
         sink_BHS1 = sinks_H.to(s_BHSS.dtype).reshape(1, H, 1, 1).expand(B, H, S, 1)

@@ -1,19 +1,21 @@
 """`python -m meshkit.data prepare INPUT... --output DIR (--tokenizer DIR | --vocab-size N)`.
 
-Writes a token store (see `meshkit.data.store`); `python -m meshkit.data info DIR` describes one.
-Exit status 2 with a one-line message for every bad input, as the recipe does.
+Writes a token store (see `meshkit.data.store`); `python -m meshkit.data info DIR` describes one
+(`meshkit.data.info`). Exit status 2 with a one-line message for every bad input, as the recipe does.
+
+`prepare` needs `datasets` and a tokenizer library (a second or two of imports); `info` needs numpy.
+So the writing side is imported only when the command is `prepare` (`importlib`, the same
+first-use loading as the package's names), and `info` answers in well under a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
-from meshkit.data.chat import CHAT
-from meshkit.data.prepare import prepare
-from meshkit.data.sources import TEXT
-from meshkit.data.store import TokenStore
+from meshkit.data import info as info_lib
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="most tokenizing processes (one per MiB of input at most: below that, start-up costs more than it saves)")
     p.add_argument("--seed", type=int, default=0, help="seed of the --val-fraction choice")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    info = sub.add_parser("info", help="describe a token store (and check its checksums)")
+    info = sub.add_parser("info", help="describe a token store: splits, loss mask, targets, checksums")
     info.add_argument("store", metavar="DIR")
     return parser
 
@@ -49,19 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "info":
-            ts = TokenStore(args.store)
-            print(ts)
-            for split in ("train", "val"):
-                s = ts.split_info(split)
-                print(f"  {split}: {s.documents} documents, {s.tokens} tokens")
-            return 0
-        result = prepare(args.inputs, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val=args.val,
-                         val_fraction=args.val_fraction, text_field=args.text_field, globs=args.globs,
-                         errors=args.errors, workers=args.workers, seed=args.seed, progress=not args.quiet,
-                         source=CHAT if args.chat else TEXT)
+            return info_lib.main(args.store)
+        return _prepare(args)
     except ValueError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    writer = importlib.import_module("meshkit.data.prepare")
+    source = importlib.import_module("meshkit.data.chat" if args.chat else "meshkit.data.sources")
+    source = source.CHAT if args.chat else source.TEXT
+    result = writer.prepare(args.inputs, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                            val=args.val, val_fraction=args.val_fraction, text_field=args.text_field,
+                            globs=args.globs, errors=args.errors, workers=args.workers, seed=args.seed,
+                            progress=not args.quiet, source=source)
     m = result.manifest
     state = "up to date (inputs unchanged): nothing to do" if result.skipped else "written"
     print(f"{result.path}: {state} | {m['num_documents']} documents, {m['num_tokens']:,} tokens ({m['dtype']}), "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -29,8 +30,8 @@ BLOCK = 1000
 
 def block_schedule(weights: list[float], block: int = BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(samples per source per block, source of each block position, index among that source's samples)."""
-    total = sum(weights)
-    exact = [w / total * block for w in weights]
+    total = sum(Fraction(w) for w in weights)
+    exact = [Fraction(w) / total * block for w in weights]  # exact quotas: a float tie cannot flip a sample
     counts = [math.floor(x) for x in exact]
     for i in sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))[:block - sum(counts)]:
         counts[i] += 1
@@ -82,6 +83,15 @@ class BlendedRows:
         """Global sample g of the blend: the k-th sample of the store the weights assign g to."""
         i, k = self.source_of(g)
         return self.sources[i].sample(k)
+
+    def in_first_epoch(self, g: int) -> bool:
+        """Whether global sample g is a row of its source's epoch 0."""
+        i, k = self.source_of(g)
+        return self.sources[i].in_first_epoch(k)
+
+    def padding(self) -> Row:
+        """A row with no target, as `PackedRows.padding`."""
+        return self.sources[0].padding()
 
     def identity(self) -> dict[str, Any]:
         """Every store's fingerprint and the weights: a resume on other data or weights is refused."""

@@ -2,8 +2,10 @@
 
 Step s reads global samples [s * global_batch, (s + 1) * global_batch) (see `packing`); dp rank r of
 dp_size takes the contiguous `global_batch / dp_size` rows starting at r times that. A global batch
-may span two epochs (the last rows of epoch e, then the first rows of e + 1): nothing is dropped or
-repeated, and the epoch boundary falls wherever the rows per epoch put it.
+may span two epochs (the last rows of epoch e, then the first rows of e + 1), or several when the
+data holds fewer rows than one batch (a small fine-tuning set): nothing is dropped, and the epoch
+boundary falls wherever the rows per epoch put it. Held-out evaluation wants each row once instead:
+`repeat=False` makes one pass and pads the last batch with rows that have no target.
 
 The state is the next global sample index plus what fixes the order (seed, seq_len, pack, split, the
 data's fingerprint): the same on every rank, independent of dp size and global batch, so a
@@ -28,7 +30,7 @@ from meshkit.data.blend import BlendedRows
 from meshkit.data.packing import PackedRows
 from meshkit.data.store import TokenStore
 
-__all__ = ["PackedLoader", "check_fits_model"]
+__all__ = ["PackedLoader", "check_fits_model", "fits_model_problems"]
 
 STATE_FORMAT = 1
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -41,6 +43,13 @@ def check_fits_model(store: TokenStore | Mapping[str, TokenStore], seq_len: int,
     corrupt memory), and positions past `max_position_embeddings` extrapolate the rotary embedding
     silently; both are known before the first step.
     """
+    problems = fits_model_problems(store, seq_len, config)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def fits_model_problems(store: TokenStore | Mapping[str, TokenStore], seq_len: int, config: Any) -> list[str]:
+    """Each reason `check_fits_model` would give, one line each (a caller may list them with others)."""
     stores = {"store": store} if isinstance(store, TokenStore) else dict(store)
     problems = []
     limit = getattr(config, "max_position_embeddings", None)
@@ -52,8 +61,7 @@ def check_fits_model(store: TokenStore | Mapping[str, TokenStore], seq_len: int,
                             f"embedding {config.vocab_size} rows; fix: a store made with the model's own tokenizer "
                             f"(prepare --tokenizer <model dir>), or, for a model trained from scratch, a config with "
                             f"vocab_size >= {s.vocab_size} (the recipe: --model-set vocab_size={s.vocab_size})")
-    if problems:
-        raise ValueError("; ".join(problems))
+    return problems
 
 
 class PackedLoader:
@@ -61,13 +69,16 @@ class PackedLoader:
 
     `store` is a `TokenStore`, or a mapping of names to stores blended by `weights` (see `blend`).
     Labels are unshifted with -100 where there is no target, as `ParallelModel.forward_backward`
-    takes them. Iterating never ends (epochs follow each other); `batch(step)` is the pure form.
+    takes them. Iterating never ends (epochs follow each other; data smaller than one global batch
+    is repeated within a batch: `epochs_per_batch` > 1); `batch(step)` is the pure form. `repeat=False` is
+    one pass over the split, for held-out evaluation: `num_batches` batches, the rows past the
+    split's end padded with no target, so a split smaller than a batch is evaluated on what it has.
     Every bad argument raises ValueError at construction, identically on every rank.
     """
 
     def __init__(self, store: TokenStore | Mapping[str, TokenStore], *, seq_len: int, global_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, split: str = "train", pack: bool = True,
-                 weights: Mapping[str, float] | None = None, prefetch: int = 2):
+                 weights: Mapping[str, float] | None = None, prefetch: int = 2, repeat: bool = True):
         for name, value, low in (("global_batch", global_batch, 1), ("dp_size", dp_size, 1), ("prefetch", prefetch, 0)):
             if value < low:
                 raise ValueError(f"{name}={value}: must be >= {low}")
@@ -82,11 +93,10 @@ class PackedLoader:
             self.rows: PackedRows | BlendedRows = PackedRows(store, seq_len=seq_len, pack=pack, seed=seed, split=split)
         else:
             self.rows = BlendedRows(store, weights, seq_len=seq_len, pack=pack, seed=seed, split=split)
-        if self.rows.rows_per_epoch < global_batch:
-            raise ValueError(f"the {split!r} data holds {self.rows.tokens} tokens = {self.rows.rows_per_epoch} rows of "
-                             f"seq_len={seq_len}, fewer than one global batch of {global_batch} rows; fix: more data, "
-                             "a smaller global batch or a shorter seq_len")
         self.seq_len, self.global_batch, self.seed, self.split, self.pack = seq_len, global_batch, seed, split, pack
+        self.repeat = repeat
+        # repeat=False: one pass; the last batch is padded with rows that hold no target
+        self.num_batches = None if repeat else -(-self.rows.rows_per_epoch // global_batch)
         self.dp_rank, self.dp_size, self.prefetch = dp_rank, dp_size, prefetch
         self.local_batch = global_batch // dp_size
         self.wait_s = 0.0  # total time next() waited for data
@@ -99,13 +109,19 @@ class PackedLoader:
     def rows_at(self, first_sample: int) -> Batch:
         """This rank's rows of the global batch starting at global sample `first_sample`."""
         start = first_sample + self.dp_rank * self.local_batch
-        rows = [self.rows.sample(g) for g in range(start, start + self.local_batch)]
+        rows = [self.rows.sample(g) if self.repeat or self.rows.in_first_epoch(g) else self.rows.padding()
+                for g in range(start, start + self.local_batch)]
         return tuple(torch.from_numpy(np.stack([getattr(r, f) for r in rows]))
                      for f in ("input_ids", "labels", "position_ids"))  # type: ignore[return-value]
 
     def batch(self, step: int) -> Batch:
         """This rank's rows of global batch `step` (0-based), whatever was iterated before."""
         return self.rows_at(step * self.global_batch)
+
+    @property
+    def epochs_per_batch(self) -> float:
+        """Epochs of the data one global batch holds: above 1 for data smaller than a batch."""
+        return self.global_batch / self.rows.rows_per_epoch
 
     @property
     def epoch(self) -> float:
@@ -117,6 +133,9 @@ class PackedLoader:
         return self
 
     def __next__(self) -> Batch:
+        if self.num_batches is not None and self._sample >= self.num_batches * self.global_batch:
+            self.close()
+            raise StopIteration
         if self.prefetch == 0:
             out = self.rows_at(self._sample)
         else:

@@ -69,6 +69,16 @@ class PackedRows:
             self.rows_per_epoch = len(self._chunk_doc)
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
+    def in_first_epoch(self, g: int) -> bool:
+        """Whether global sample g is a row of epoch 0 (a one-pass loader pads the others)."""
+        return 0 <= g < self.rows_per_epoch
+
+    def padding(self) -> Row:
+        """A row with no target (EOS tokens, labels -100): what pads the last batch of a single pass."""
+        S = self.seq_len
+        return Row(np.full(S, self.store.eos_id, dtype=np.int64), np.full(S, IGNORE, dtype=np.int64),
+                   np.arange(S, dtype=np.int64))
+
     def identity(self) -> dict[str, str]:
         """What a loader's state records to refuse resuming on other data."""
         return {"store": self.store.fingerprint}

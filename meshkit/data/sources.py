@@ -9,10 +9,10 @@ processes, a progress bar). Text and jsonl files are decoded here rather than by
 bad byte or a missing field is reported as `file: byte offset` or `file:line`.
 
 Encoding: a `DocumentSource` turns a batch of column values into documents: token ids and, where some
-tokens must never be targets (a chat prompt), a 0/1 loss mask. `TEXT` encodes plain text. This is the
-supervised fine-tuning hook: a chat source (issue #14, `meshkit/data/chat.py`) reads the `messages`
-field (`column_value` keeps it as JSON text) and returns the tokens of `apply_chat_template` with a
-mask that is 1 on assistant tokens only; the store and the loader honour any source's mask.
+tokens must never be targets (a chat prompt), a 0/1 loss mask. `TEXT` encodes plain text; `chat.CHAT`
+reads the `messages` field (`column_value` keeps it as JSON text) and returns the tokens of
+`apply_chat_template` with a mask that is 1 on assistant tokens only. The store and the loader honour
+any source's mask, so a new kind of supervised data is one more `DocumentSource`.
 """
 
 from __future__ import annotations

@@ -165,6 +165,13 @@ class TokenStore:
                              "the store again")
 
     def _check_files(self, verify: bool) -> None:
+        problems = self.file_problems(verify)
+        if problems:
+            raise ValueError(f"token store {str(self.path)!r}: " + "; ".join(problems)
+                             + "; fix: prepare the store again (or copy it whole)")
+
+    def file_problems(self, verify: bool = True) -> list[str]:
+        """Each manifest file that is missing, of the wrong size or (`verify`) of the wrong sha256."""
         problems = []
         for name, info in self.manifest.get("files", {}).items():
             file = self.path / name
@@ -176,9 +183,7 @@ class TokenStore:
                 problems.append(f"{name} has {size} bytes, the manifest says {info['bytes']} (truncated or altered)")
             elif verify and file_digest(file) != info["sha256"]:
                 problems.append(f"{name}'s sha256 does not match the manifest (altered or corrupt)")
-        if problems:
-            raise ValueError(f"token store {str(self.path)!r}: " + "; ".join(problems)
-                             + "; fix: prepare the store again (or copy it whole)")
+        return problems
 
     # ----------------------------------------------------------------------------------- reading
     @property
@@ -207,21 +212,36 @@ class TokenStore:
         """Tokens of document `index` (ending with EOS), as a read-only view of the memory map."""
         return self.tokens[int(self.offsets[index]):int(self.offsets[index + 1])]
 
-    def unigram_distribution(self, split: str = "train") -> np.ndarray:
-        """Frequency of each token id in the split (float64 [vocab_size], sums to 1)."""
+    def unigram_distribution(self, split: str = "train", *, targets_only: bool = False) -> np.ndarray:
+        """Frequency of each token id in the split (float64 [vocab_size], sums to 1).
+
+        `targets_only`: count only the tokens a loss is computed on: the loss mask's 1s (a chat
+        store's assistant tokens), never a document's first token (packing makes it context only).
+        """
         counts = np.zeros(self.vocab_size, dtype=np.int64)
+        masked = targets_only and self.loss_mask is not None
         for start, stop in self._token_ranges(split):
             for lo in range(start, stop, _CHUNK):
-                counts += np.bincount(self.tokens[lo:min(lo + _CHUNK, stop)], minlength=self.vocab_size)
+                hi = min(lo + _CHUNK, stop)
+                tokens = self.tokens[lo:hi]
+                if masked:
+                    tokens = tokens[np.asarray(self.loss_mask[lo:hi]) != 0]
+                counts += np.bincount(tokens, minlength=self.vocab_size)
+        if targets_only:
+            firsts = np.asarray(self.offsets)[self.split_documents(split)]
+            if masked:
+                firsts = firsts[np.asarray(self.loss_mask)[firsts] != 0]
+            counts -= np.bincount(self.tokens[firsts], minlength=self.vocab_size)
         return counts / max(counts.sum(), 1)
 
-    def unigram_entropy(self, split: str = "train") -> float:
+    def unigram_entropy(self, split: str = "train", *, targets_only: bool = False) -> float:
         """Entropy in nats of the split's token frequencies: the loss of the best context-free predictor.
 
         A language model that learned anything beyond token frequencies sits below it; the demo prints
-        both so a user sees the model used the context.
+        both so a user sees the model used the context. Compare a masked (fine-tuning) loss with
+        `targets_only=True`: the loss never counts prompt tokens, so neither may its reference.
         """
-        p = self.unigram_distribution(split)
+        p = self.unigram_distribution(split, targets_only=targets_only)
         p = p[p > 0]
         return float(-(p * np.log(p)).sum())
 
@@ -240,6 +260,10 @@ class TokenStore:
     def tokenizer_dir(self) -> Path:
         """The tokenizer saved with the store: decoding and generation use the tokens' own vocabulary."""
         return self.path / TOKENIZER
+
+    def has_tokenizer(self) -> bool:
+        """Whether the store carries its tokenizer (`prepare` saves it; `write_store` does not)."""
+        return any((self.tokenizer_dir() / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
 
     def __repr__(self) -> str:
         return (f"TokenStore({str(self.path)!r}: {self.num_documents} documents, {self.num_tokens} tokens, "

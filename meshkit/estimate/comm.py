@@ -17,6 +17,7 @@ from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.mesh import AXES
 from meshkit.models import roles
+from meshkit.pipeline.schedules import pipelines
 from meshkit.plan import Plan
 
 
@@ -280,16 +281,21 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     if plan.pp > 1:
         # Messages the busiest rank sends: each of its stages sends its output forward (but the last
         # stage) and its input gradient backward (but the first stage), once per microbatch.
-        owner = stage_ranks(plan)  # a boundary between two stages of one rank (the V's turn) sends nothing
-        stages = len(owner)
-        sends = max(sum((s < stages - 1 and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
+        # Under DualPipe each of a rank's two stages carries one direction's half of the microbatches.
+        owner, chains = stage_ranks(plan), pipelines(plan.pp_schedule)
+        stages, per_chain = len(owner), len(owner) // chains
+        sends = max(sum((s % per_chain < per_chain - 1 and owner[s + 1] != r) + (s % per_chain > 0 and owner[s - 1] != r)
                         for s in range(stages) if owner[s] == r) for r in range(plan.pp))
         boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
-        add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m, boundary, 2, 0.0)
+        add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m // chains, boundary,
+            2, 0.0)
         if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them
             c = out[-1]
             out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
         if state.tied_copy_elements:  # first and last stage sum their tied-embedding copies' gradients
             add("pp", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
                 shard_sums, state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
+        if chains == 2:  # DualPipe: pp ranks r and pp-1-r hold the same layers; one flat fp32 all-reduce
+            add("pp", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
+                (state.params + state.tensors) * 4, 2, None)  # + one presence flag per tensor
     return out

@@ -37,7 +37,7 @@ from meshkit.estimate.spec import (
 from meshkit.estimate.zero import zero_memory
 from meshkit.models import llama, roles
 from meshkit.models.moe import convert_moe_blocks
-from meshkit.pipeline.schedules import stage_placement
+from meshkit.pipeline.schedules import stage_chunks, stage_placement
 from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
 
@@ -47,12 +47,26 @@ def stage_ranks(plan: Plan) -> tuple[int, ...]:
     return stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
 
 
+def chunk_of_stage(plan: Plan) -> tuple[int, ...]:
+    """The chunk of layers every stage runs (DualPipe: each of its pp chunks as two stages)."""
+    return stage_chunks(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
+
+
+def edge_ranks(plan: Plan) -> tuple[set[int], set[int]]:
+    """(the pp ranks holding the embedding, those holding the norm and LM head): the ranks of the stages
+    running the first and the last chunk (rank 0 and pp-1 under DualPipe hold both)."""
+    chunks, owner = chunk_of_stage(plan), stage_ranks(plan)
+    return ({owner[s] for s, c in enumerate(chunks) if c == 0},
+            {owner[s] for s, c in enumerate(chunks) if c == max(chunks)})
+
+
 def stage_layers(config: Any, plan: Plan) -> list[list[range]]:
     """Decoder-block indices of each of a rank's stages, per pipeline rank, from meshkit's own split
-    (the embedding and the head count as a layer each, so the first and last stages get fewer blocks)."""
-    v = plan.pp_stages_per_rank if plan.pp > 1 else 1
-    ranges = split_layers(config.num_hidden_layers, plan.pp * v, list(plan.pp_split) or None)
-    return [[ranges[s] for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
+    (the embedding and the head count as a layer each, so the first and last stages get fewer blocks).
+    Under DualPipe each rank runs two chunks: every block is on two ranks (2x parameter memory)."""
+    chunks = chunk_of_stage(plan)
+    ranges = split_layers(config.num_hidden_layers, max(chunks) + 1, list(plan.pp_split) or None)
+    return [[ranges[chunks[s]] for s in stages_of_rank(r, stage_ranks(plan))] for r in range(plan.pp)]
 
 
 def stage_blocks(config: Any, plan: Plan) -> list[list[int]]:
@@ -172,8 +186,9 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     kind_count = {k: sum(kinds[i] == k for i in on_rank) for k in moe.KINDS}
     blocks = len(on_rank)
     first, last = stage_ranks(plan)[0], stage_ranks(plan)[-1]
-    copy = tied and plan.pp > 1 and pp_rank == last  # the head's copy of a tied embedding
-    edge_count = {"embed": int(pp_rank == first) + int(copy), "head": int(pp_rank == last)}
+    embeds, heads = edge_ranks(plan)
+    copy = tied and plan.pp > 1 and pp_rank in heads  # the head's copy of a tied embedding
+    edge_count = {"embed": int(pp_rank in embeds) + int(copy), "head": int(pp_rank in heads)}
     numel = tensors = summed_tensors = summed_elements = tied_copy = held_total = partial_tensors = partial_elements = 0
     units = {"embed": 0, "head": 0}
     kind_units = {k: {"block": 0, "expert": 0} for k in moe.KINDS}
@@ -217,7 +232,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     units["expert"] = max((u.expert for u in block_units), default=0)
     return ModelState(numel, numel * param_bytes, numel * param_bytes, 2 * numel * param_bytes + 4 * tensors,
                       units, blocks, zero, summed_tensors, summed_elements, tied_copy, held_total, block_units,
-                      partial_tensors, partial_elements)
+                      partial_tensors, partial_elements, tensors)
 
 
 # -------------------------------------------------------------------------------- activations
@@ -328,7 +343,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     state = model_state(config, plan, pp_rank=pp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
-    last = pp_rank == stage_ranks(plan)[-1]
+    last = pp_rank in edge_ranks(plan)[1]
     head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
     stages = stage_kinds(config, plan)[pp_rank]
     on_rank = sorted({k for stage in stages for k in stage})

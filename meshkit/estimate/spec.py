@@ -201,6 +201,7 @@ class ModelState:
     # packed projections: tensor_parallel.rows): their gradients are Partial, all-reduced over tp.
     tp_partial_tensors: int = 0
     tp_partial_elements: int = 0  # their elements on this rank before FSDP shards them
+    tensors: int = 0  # parameter tensors on this rank
 
     @property
     def block_elements(self) -> int:

@@ -1,5 +1,11 @@
 """`pm.generate`: autoregressive decoding on the sharded model, token for token HF's greedy output.
 
+Options resolve as HF's `generate` resolves them (`inference.options`: the call's arguments, then the
+model's `generation_config`, then HF's defaults), so decoding stops at the model's eos, pads finished
+rows with its pad token, and honours `top_p`, `repetition_penalty` and `stop_strings` as HF does
+(`inference.sampling` shapes the scores in HF's order). Every rank checks its prompt and options and
+compares them with its peers before the first step, and all raise together on any problem.
+
 Every rank of the plan runs every step (FSDP gathers weights and expert parallelism exchanges
 tokens across the data ranks, so a rank that stopped early would hang the others): the loop ends
 when every data rank's rows are finished, and each rank then returns its own rows trimmed where HF
@@ -7,28 +13,30 @@ would have stopped. The next token is chosen from the full-vocabulary logits of 
 gathered over tp on the last pipeline stage and broadcast over pp, so every rank of a data rank's
 group appends the same token.
 
+Left-padded prompts (`attention_mask`, rows of different lengths): a row's padding is a document
+of its own, so meshkit's block-diagonal attention keeps every real token away from it, and each
+row's positions count its real tokens only, as HF's do. With a KV cache the padding stays in the
+cache, and each step passes the document ids of the whole cached sequence so the new token's
+attention skips it.
+
 KV cache: each rank keeps the keys and values of the attention layers it runs (its heads under tp,
 its layers under pp) in `KVCache`, so a step runs only the new token. Under sequence parallelism the
 new token is padded to tp positions (the padding's cache entries are dropped after the step).
 Context parallelism has no cache: a cached sequence would have to follow the ring's layout as it
 grows, so every step recomputes the whole sequence (padded to the layout's multiple) instead.
-
-Sampling draws Gumbel noise from a CPU generator seeded with `seed`: the choice is
-argmax(logits / temperature + noise) over the top_k tokens, which samples the softmax exactly, and
-reproducibly for the same seed, prompts and plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.data_parallel.fsdp import reshard_fsdp
-from meshkit.inference import forward
+from meshkit.inference import forward, options, sampling
 from meshkit.mesh import axis
 
 if TYPE_CHECKING:
@@ -59,32 +67,6 @@ class KVCache:
         self.layers = {i: (k[:, :, :length], v[:, :, :length]) for i, (k, v) in self.layers.items()}
 
 
-def _options_problem(max_new_tokens, temperature, top_k, eos: list[int], pad, vocab: int) -> str | None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        return f"max_new_tokens={max_new_tokens!r} must be an int >= 0"
-    if temperature is None or not temperature >= 0:
-        return f"temperature={temperature!r} must be >= 0 (0: greedy)"
-    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
-        return f"top_k={top_k!r} must be None or an int in [1, {vocab}]"
-    bad = [t for t in [*eos, pad] if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        return f"eos_token_id/pad_token_id {bad} must be token ids in [0, {vocab})"
-    return None
-
-
-def choose(logits_BV: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> torch.Tensor:
-    """The next token of every row: argmax when temperature is 0, else a softmax sample (Gumbel-max)."""
-    if temperature == 0:
-        return logits_BV.argmax(-1)
-    scores = logits_BV.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    uniform = torch.rand(scores.shape, generator=generator, dtype=torch.float64).clamp_(1e-20, 1.0 - 1e-16)
-    gumbel = -torch.log(-torch.log(uniform))
-    return (scores + gumbel.to(scores.device, scores.dtype)).argmax(-1)
-
-
 def _last_logits(pm: ParallelModel, inputs: forward.StageInputs, last: int, out) -> torch.Tensor | None:
     """Full-vocabulary logits [B, V] of position `last` (of the padded sequence) on the last stage."""
     local = forward.local_logits(out)
@@ -105,42 +87,79 @@ def _last_logits(pm: ParallelModel, inputs: forward.StageInputs, last: int, out)
     return picked
 
 
+def _decode_inputs(pm: ParallelModel, new_B1: torch.Tensor, position_B: torch.Tensor,
+                   docs_BT: torch.Tensor) -> forward.StageInputs:
+    """A cached step of left-padded rows: per-row positions, and the documents of every cached key
+    (`docs_BT` already covers the new token; SP's padding positions join its document)."""
+    multiple = pm.plan.seq_multiple()
+    batch = new_B1.shape[0]
+    steps = torch.arange(multiple, device=pm.device)
+    ids = F.pad(new_B1, (0, multiple - 1))
+    docs = torch.cat([docs_BT, docs_BT[:, -1:].expand(batch, multiple - 1)], dim=1)
+    return forward.StageInputs(ids, position_B[:, None] + steps, docs, multiple)
+
+
 @torch.no_grad()
-def generate(pm: ParallelModel, prompt_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, eos_token_id: int | Iterable[int] | None = None,
-             pad_token_id: int | None = None, seed: int = 0) -> torch.Tensor:
-    """Prompt [B, P] -> [B, P + n] token ids, n <= max_new_tokens; see the module docstring."""
-    vocab = pm.model.config.vocab_size
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    problem = (forward.ids_problem(prompt_ids, None, pm.model.config, "prompt_ids")
-               or _options_problem(max_new_tokens, temperature, top_k, eos, pad, vocab))
-    forward.check_inputs(pm, prompt_ids, problem)
+def generate(pm: ParallelModel, prompt_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+             tokenizer: Any = None, **given: Any) -> torch.Tensor:
+    """Prompt [B, P] -> [B, P + n] token ids, n <= max_new_tokens; see the module docstring.
+
+    `given`: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id,
+    pad_token_id, stop_strings, seed (None: the model's generation config, then HF's default).
+    """
+    config = pm.model.config
+    problem = forward.ids_problem(prompt_ids, None, config, "prompt_ids")
+    opts = None
+    if problem is None:
+        opts, problem = options.resolve_options(getattr(pm.model, "generation_config", None), prompt_ids.shape[1],
+                                        {**given, "tokenizer": tokenizer})
+        problem = problem or options.prompt_problem(prompt_ids, attention_mask, opts, config)
+    options.refuse_on_every_rank(pm, prompt_ids, attention_mask, opts, problem)
     plan = pm.plan
     tokens = prompt_ids.to(pm.device, torch.int64)
     batch = tokens.shape[0]
+    valid = (torch.ones_like(tokens) if attention_mask is None else attention_mask.to(pm.device)).bool()
+    padded = not bool(valid.all())
+    # Real tokens count 0, 1, ... from their row's first; padding counts on its own (a document apart).
+    positions = torch.where(valid, valid.long().cumsum(1) - 1, torch.arange(tokens.shape[1], device=pm.device))
+    docs = cp_sharding.document_ids(positions) if padded else None
+    next_position = valid.long().sum(1)
     unfinished = torch.ones(batch, dtype=torch.bool, device=pm.device)
-    eos_ids = torch.tensor(eos, dtype=torch.int64, device=pm.device)
-    generator = torch.Generator().manual_seed(seed)
+    eos_ids = torch.tensor(opts.eos, dtype=torch.int64, device=pm.device)
+    stops = options.StopStrings(opts.stop_strings, tokenizer) if opts.stop_strings else None
+    may_finish = bool(opts.eos) or stops is not None
+    generator = torch.Generator().manual_seed(opts.seed)
     cache = KVCache() if plan.cp == 1 else None
     length = tokens.shape[1]  # HF's output length: the last step at which a local row was unfinished
     new, past = tokens, 0
-    for _ in range(max_new_tokens):
-        if eos and _everyone_finished(pm, unfinished):
+    for _ in range(opts.max_new_tokens):
+        if may_finish and _everyone_finished(pm, unfinished):
             break
-        inputs = forward.stage_inputs(pm, new, None, past=past)
+        if past and padded:
+            inputs = _decode_inputs(pm, new, next_position, docs)
+        else:
+            inputs = forward.stage_inputs(pm, new, positions if padded and not past else None, past=past)
         out = forward.run_stages(pm, inputs, cache)
-        last = new.shape[1] - 1
         chosen = None
         if out is not None:
-            chosen = choose(_last_logits(pm, inputs, last, out), temperature, top_k, generator).float()
+            scores = sampling.penalize_repetition(_last_logits(pm, inputs, new.shape[1] - 1, out), tokens, valid,
+                                                  opts.repetition_penalty)
+            chosen = sampling.choose(scores, do_sample=opts.do_sample, temperature=opts.temperature,
+                                     top_k=opts.top_k, top_p=opts.top_p, generator=generator).float()
         chosen = forward.to_every_pp_rank(pm, chosen, (batch,)).long()
-        chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
+        if opts.eos:  # HF pads finished rows only when an eos can finish them
+            chosen = torch.where(unfinished, chosen, torch.full_like(chosen, opts.pad))
         if bool(unfinished.any()):
             length = tokens.shape[1] + 1
         tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-        if eos:
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        positions = torch.cat([positions, next_position[:, None]], dim=1)
+        docs = torch.cat([docs, docs[:, -1:]], dim=1) if docs is not None else None
+        next_position = next_position + 1
+        if opts.eos:
             unfinished &= ~torch.isin(chosen, eos_ids)
+        if stops is not None:
+            unfinished &= ~stops.hits(tokens, valid)
         if cache is not None:
             past = tokens.shape[1] - 1
             cache.keep(past)

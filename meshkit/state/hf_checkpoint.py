@@ -17,9 +17,11 @@ per-expert tensors (transformers' own conversion: stack experts on dim 0, gate t
 A fused checkpoint loads as it is. HF's empty tensors of a zero-width shared expert (which the
 converted model leaves out) are accepted, and written back on export (`hf_moe.zero_width_shared_expert_shapes`).
 
-Out: `save_hf_checkpoint(pm, directory)` gathers the full state (`pm.full_state_dict()`, every plan)
-and rank 0 writes it with HF's own `save_pretrained` from a fresh meta-device HF model, so the
-directory is exactly what `AutoModelForCausalLM.from_pretrained` expects.
+Out: `save_hf_checkpoint(pm, directory, tokenizer=...)` assembles the full state on rank 0 only
+(`state.gather`: the other ranks send their chunks and hold nothing more) and rank 0 writes it with
+HF's own `save_pretrained` from a fresh meta-device HF model carrying the model's generation config,
+then the tokenizer (chat template included) beside it, so the directory is exactly what
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` expect.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -42,6 +44,7 @@ from meshkit._compat.dcp import dtensor_chunks
 from meshkit.local_tensor import local_tensor
 from meshkit.models import hf_moe
 from meshkit.models import moe as moe_models
+from meshkit.state.gather import full_state_dict_on_rank0
 from meshkit.state.names import is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
 
@@ -261,12 +264,17 @@ def load_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, strict: bool
 # ---------------------------------------------------------------------------------------- export
 
 
-def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
-    """Write the model as `save_pretrained` does (config + safetensors), from any plan; call on every rank.
+def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, tokenizer: Any = None,
+                       max_shard_size: int | str = "5GB") -> None:
+    """Write a directory `from_pretrained` loads as it is, from any plan; call on every rank.
 
-    Gathers the full state on every rank (`pm.full_state_dict()`: CPU memory for the whole model, so
-    meant for models a host can hold); rank 0 writes. All ranks return after the write, or all raise
-    if it failed. meshkit-only state (DeepSeek-V3 `expert_bias`) is dropped: HF classes have no slot.
+    Config, generation config (`pm.model.generation_config`: eos, pad, sampling defaults) and
+    safetensors, as `save_pretrained` writes them; with `tokenizer` (a tokenizer object, or the
+    directory of one) also the tokenizer and its chat template, so `AutoTokenizer.from_pretrained` and
+    a serving stack load the same directory. Only rank 0 assembles the full state (CPU memory for
+    the whole model, `meshkit.state.gather`) and writes; the other ranks send their chunks and
+    hold nothing more. All ranks return after the write, or all raise if it failed.
+    meshkit-only state (DeepSeek-V3 `expert_bias`) is dropped: HF classes have no slot.
     """
     config = pm.model.config
     if moe_models.is_moe_model(pm.model) and getattr(config, "model_type", None) not in hf_moe.MOE_MODEL_TYPES:
@@ -274,29 +282,45 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, max_shard_si
             f"save_hf_checkpoint: a {config.model_type} model with meshkit MoE layers (Llama-MoE) has no "
             "Hugging Face class, so from_pretrained could not load it; fix: save it with "
             "meshkit.state.checkpoint.save, or pm.full_state_dict() with safetensors")
-    state = pm.full_state_dict()
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)) and not hasattr(tokenizer,
+                                                                                               "save_pretrained"):
+        raise ValueError(f"save_hf_checkpoint: tokenizer={type(tokenizer).__name__}: expected a Hugging Face "
+                         "tokenizer (with save_pretrained) or the directory of one; fix: pass "
+                         "AutoTokenizer.from_pretrained(<dir>) or <dir>, or leave tokenizer out")
+    state = full_state_dict_on_rank0(pm)
     problem = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if state is not None:  # rank 0
         try:
-            _write_pretrained(config, hf_moe.to_hf_state_dict(state, config), Path(directory), max_shard_size)
+            _write_pretrained(pm.model, hf_moe.to_hf_state_dict(state, config), Path(directory), max_shard_size,
+                              tokenizer)
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, or they return as if it worked
             problem = f"save_hf_checkpoint: rank 0 could not write {str(directory)!r}: {type(err).__name__}: {err}"
     raise_if_any(problem, device=pm.device)  # also the barrier: no rank returns before the files exist
 
 
-def _write_pretrained(config: Any, state: dict[str, torch.Tensor], directory: Path,
-                      max_shard_size: int | str) -> None:
-    from transformers import AutoModelForCausalLM
+def _write_pretrained(source: nn.Module, state: dict[str, torch.Tensor], directory: Path,
+                      max_shard_size: int | str, tokenizer: Any) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(f"{directory} is a file")  # save_pretrained would only log this and return
-    config = copy.deepcopy(config)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    config = copy.deepcopy(source.config)
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, the model's embedding {config.vocab_size} rows: "
+                         "ids past the embedding would fail in from_pretrained's model; fix: the model's own "
+                         "tokenizer (the one its data was tokenized with)")
     # parallelize pinned meshkit's attention function on the live config; the export must not name it.
     config._attn_implementation = None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if getattr(source, "generation_config", None) is not None:
+        model.generation_config = copy.deepcopy(source.generation_config)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True replaced both names of a tied weight; make them one again
     model.save_pretrained(directory, max_shard_size=max_shard_size)
     if not (directory / "config.json").is_file():
         raise RuntimeError(f"save_pretrained wrote no config.json into {directory}")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))

@@ -29,6 +29,19 @@ def raise_if_any(problem: str | None, group: dist.ProcessGroup | None = None, de
     raise ValueError(f"{len(failing)} of {len(messages)} ranks rejected their input:\n{lines}")
 
 
+def disagreement(values: list[int], group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu") -> bool:
+    """Whether the ranks of `group` hold different integer vectors (one MAX all-reduce of [v, -v]).
+
+    Every rank learns the same answer, so every rank can refuse together; False on one rank.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return False
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return not torch.equal(both[:len(values)], -both[len(values):])
+
+
 def brief(items: list[str], n: int = 6) -> str:
     """The first `n` items of a problem list and how many more, for one-line error messages."""
     return "; ".join(items[:n]) + (f"; ... ({len(items) - n} more)" if len(items) > n else "")

@@ -4,6 +4,9 @@ plan-independent and resumable as a single store."""
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +35,30 @@ def test_block_schedule_follows_the_weights_at_every_prefix(weights):
         assert np.array_equal(rank[mine], np.arange(counts[i])), "a source's samples in order, none skipped"
         taken = np.cumsum(mine)
         assert (np.abs(taken - np.arange(1, BLOCK + 1) * counts[i] / BLOCK) < 1).all()
+
+
+def _largest_remainder(weights: list[float], block: int) -> list[int]:
+    """Hamilton's apportionment in exact arithmetic: floors of the exact quotas, then one more sample
+    each to the largest remainders (ties to the lower source index)."""
+    total = sum(Fraction(w) for w in weights)
+    quota = [Fraction(w) / total * block for w in weights]
+    counts = [math.floor(q) for q in quota]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quota[i] - counts[i]), i))
+    for i in by_remainder[:block - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+@given(weights=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5))
+def test_block_counts_are_the_exact_largest_remainder_counts(weights):
+    assert block_schedule(weights)[0].tolist() == _largest_remainder(weights, BLOCK)
+
+
+@pytest.mark.parametrize("weights", [[1, 2], [2, 1], [1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0.7, 0.2, 0.1], [3, 3, 1]])
+def test_block_counts_on_remainders_that_nearly_tie(weights):
+    """Quotas like 333.33 / 666.67 or seven equal shares: a rounding that is off by one sample for one
+    source still passes a within-one-sample check, not this one."""
+    assert block_schedule(weights)[0].tolist() == _largest_remainder(weights, BLOCK)
 
 
 def test_blended_rows_read_each_source_in_its_own_order(tmp_path):

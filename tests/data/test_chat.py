@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import meshkit
 from meshkit.data import TokenStore
@@ -122,7 +122,8 @@ def test_sft_loss_counts_only_assistant_tokens(dist, chat_store):
 
 
 def _sft_recipe(root: str) -> dict:
-    """recipes/configs/sft_chat.toml as a user runs it: --model-path, the chat store, --export-hf."""
+    """recipes/configs/sft_chat.toml as a user runs it: --model-path, the chat store, --export-hf; only
+    the number of steps (and the log directory, and one thread per rank) differ from the preset."""
     recipes = Path(__file__).resolve().parents[2] / "recipes"
     if str(recipes) not in sys.path:
         sys.path.insert(0, str(recipes))
@@ -132,25 +133,73 @@ def _sft_recipe(root: str) -> dict:
     spec.loader.exec_module(module)
     args = module.build_parser().parse_args([
         "--config", str(recipes / "configs" / "sft_chat.toml"), "--model-path", f"{root}/model",
-        "--path", f"{root}/store", "--export-hf", f"{root}/out", "--steps", "2", "--seq-len", "32",
-        "--local-batch", "2", "--lr", "1e-2", "--eval-every", "0", "--sample-tokens", "4", "--threads", "1",
+        "--path", f"{root}/store", "--export-hf", f"{root}/out", "--steps", "2", "--threads", "1",
         "--log-dir", f"{root}/runs"])
     run = module.apply_cli(module.load_config(args.config), args)
     run.train = dataclasses.replace(run.train, name="sft")
     return module.train(run)
 
 
-def test_sft_recipe_fine_tunes_from_a_model_path_and_exports(dist, chat_store):
-    root, tok = chat_store
+@pytest.fixture(scope="module")
+def small_sft_set(tmp_path_factory):
+    """A few hundred short conversations: less than one global batch of the preset (8 rows of 512 tokens),
+    and a held-out split smaller than one row."""
+    root = tmp_path_factory.mktemp("sft")
+    conversations = [[{"role": "user", "content": f"What is {a} plus {b}?"},
+                      {"role": "assistant", "content": f"{a + b}."}] for a in range(20) for b in range(10)]
+    corpus = [m["content"] for c in conversations for m in c]
+    tok = train_bpe(corpus, 300, root / "tok")
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(root / "tok"))
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    prepare([str(data)], str(root / "store"), tokenizer=str(root / "tok"), source=CHAT, progress=False,
+            val_fraction=0.05, workers=1)
     torch.manual_seed(0)
     start = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                                         max_position_embeddings=64, tie_word_embeddings=False))
+                                         max_position_embeddings=512, tie_word_embeddings=False,
+                                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=None))
     start.save_pretrained(str(root / "model"))
     tok.save_pretrained(str(root / "model"))  # the model's own tokenizer: the store's, so the check passes
-    outcomes = dist(2).run_raw(_sft_recipe, str(root))
+    return root, tok, conversations, start
+
+
+def test_sft_preset_fine_tunes_a_small_set_and_exports_model_and_tokenizer(dist, small_sft_set):
+    """The preset as written on a few hundred conversations: training epochs within each batch and the
+    held-out split is evaluated on what it holds (each said once), the entropy reference counts only
+    target tokens, the sample answers a held-out question from its assistant header, and the export
+    loads with from_pretrained (model) and AutoTokenizer (chat template included), generating exactly
+    the run's own sample."""
+    root, tok, conversations, start = small_sft_set
+    outcomes = dist(4).run_raw(_sft_recipe, str(root))
     assert all(o.ok for o in outcomes), "\n".join(f"rank {o.rank}: {o.message}\n{o.traceback}" for o in outcomes)
-    assert "meshkit: sample (greedy)" in outcomes[0].output, outcomes[0].output[-2000:]
-    tuned = LlamaForCausalLM.from_pretrained(str(root / "out"))
+    printed = "".join(o.output for o in outcomes)
+    assert printed.count("fewer than one global batch of 8") == 1, printed[-3000:]
+    assert printed.count("each evaluation reads them once") == 1 and "held-out loss" in printed, printed[-3000:]
+    store = TokenStore(root / "store")
+    counts = np.zeros(len(tok), dtype=np.int64)
+    for d in store.split_documents("train"):
+        ids, mask = _by_hand(tok, conversations[d])
+        np.add.at(counts, [t for t, m in zip(ids, mask) if m], 1)
+    p = counts[counts > 0] / counts.sum()
+    entropy = float(-(p * np.log(p)).sum())
+    assert f"unigram entropy of the target tokens {entropy:.4f}" in outcomes[0].output, outcomes[0].output[-2000:]
+
+    first_val = int(store.split_documents("val")[0])
+    ids, mask = _by_hand(tok, conversations[first_val])
+    prompt = ids[:mask.index(1)]  # the conversation through the assistant header, not its answer
+    sample = outcomes[0].value["sample"]
+    assert sample[:len(prompt)] == prompt and tok.decode(prompt).endswith("<|assistant|>"), tok.decode(sample)
+
+    exported = AutoTokenizer.from_pretrained(str(root / "out"))
+    assert exported.chat_template == TEMPLATE
+    assert exported.apply_chat_template(conversations[0], tokenize=True) == \
+        tok.apply_chat_template(conversations[0], tokenize=True)
+    tuned = AutoModelForCausalLM.from_pretrained(str(root / "out"))
+    assert tok.eos_token_id in np.atleast_1d(tuned.generation_config.eos_token_id).tolist()
     moved = [n for n, p in tuned.state_dict().items() if not torch.equal(p, start.state_dict()[n])]
     assert "lm_head.weight" in moved and len(moved) > len(tuned.state_dict()) // 2, moved
+    again = tuned.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=len(sample) - len(prompt))
+    assert again[0].tolist() == sample

@@ -147,10 +147,21 @@ def test_state_from_other_data_or_order_is_refused(tmp_path):
     PackedLoader(store, seq_len=8, global_batch=8, seed=1).load_state_dict(state)  # another global batch is fine
 
 
+def test_the_store_fingerprint_names_its_tokenizer(tmp_path):
+    """The same token ids written by two tokenizers are different data: a loader state from one store
+    must not resume on the other."""
+    docs = [np.array([5, 9, 3, EOS]), np.array([7, 2, EOS])]
+    a = write_store(tmp_path / "a", docs, eos_id=EOS, vocab_size=VOCAB, tokenizer_sha256="1" * 64)
+    b = write_store(tmp_path / "b", docs, eos_id=EOS, vocab_size=VOCAB, tokenizer_sha256="2" * 64)
+    assert a.manifest["files"]["tokens.bin"] == b.manifest["files"]["tokens.bin"]
+    assert a.fingerprint != b.fingerprint
+    state = PackedLoader(a, seq_len=4, global_batch=2).state_dict()
+    with pytest.raises(ValueError, match="data loader data: saved"):
+        PackedLoader(b, seq_len=4, global_batch=2).load_state_dict(state)
+
+
 def test_bad_loader_arguments(tmp_path):
     store = _store(tmp_path, [10, 10, 10], val_every=0)
-    with pytest.raises(ValueError, match=r"holds 30 tokens = 4 rows of seq_len=8, fewer than one global batch of 8"):
-        PackedLoader(store, seq_len=8, global_batch=8)
     with pytest.raises(ValueError, match="global_batch=6 rows do not split over dp_size=4"):
         PackedLoader(store, seq_len=2, global_batch=6, dp_size=4)
     with pytest.raises(ValueError, match="no 'val' documents; fix: prepare it with --val-fraction"):
@@ -159,3 +170,43 @@ def test_bad_loader_arguments(tmp_path):
         PackedLoader(store, seq_len=1, global_batch=2)
     with pytest.raises(ValueError, match="dp_rank=2"):
         PackedLoader(store, seq_len=2, global_batch=2, dp_rank=2, dp_size=2)
+
+
+def test_data_smaller_than_one_batch_epochs_within_it(tmp_path):
+    """A small fine-tuning set (4 rows) under a global batch of 10: every batch holds whole epochs
+    (each token once per epoch, each epoch in its own order)."""
+    store = _store(tmp_path, [10, 10, 10])
+    loaders = [PackedLoader(store, seq_len=8, global_batch=10, dp_rank=r, dp_size=2, seed=3, prefetch=0)
+               for r in range(2)]
+    rows = loaders[0].rows
+    assert rows.rows_per_epoch == 4 and loaders[0].epochs_per_batch == 2.5
+    for step in range(2):
+        ids = torch.cat([next(loader)[0] for loader in loaders])
+        for k in range(10):
+            g = step * 10 + k
+            real = rows.flat_indices(g)
+            assert torch.equal(ids[k][real >= 0], torch.from_numpy(np.asarray(store.tokens)[real[real >= 0]]).long())
+    for epoch in range(5):  # samples 0..19 are epochs 0..4: each covers every token exactly once
+        seen = np.concatenate([rows.flat_indices(g)[rows.flat_indices(g) >= 0] for g in range(4 * epoch, 4 * epoch + 4)])
+        assert np.array_equal(np.sort(seen), np.arange(30)), epoch
+    assert not np.array_equal(rows.flat_indices(0), rows.flat_indices(4))  # another order next epoch
+
+
+def test_one_pass_pads_the_last_batch_and_stops(tmp_path):
+    """`repeat=False` (held-out evaluation): each row once, the batch filled with rows without a target,
+    then StopIteration; a split smaller than one batch is evaluated on what it has."""
+    store = _store(tmp_path, [9, 12, 5, 30, 7, 11], val_every=2)  # val: documents 1, 3, 5 (53 tokens)
+    loaders = [PackedLoader(store, seq_len=8, global_batch=6, dp_rank=r, dp_size=2, split="val", repeat=False,
+                            prefetch=p) for r, p in ((0, 0), (1, 2))]
+    rows = loaders[0].rows
+    assert rows.rows_per_epoch == 7 and loaders[0].num_batches == 2
+    batches = [list(loader) for loader in loaders]
+    assert [len(b) for b in batches] == [2, 2]
+    labels = torch.cat([torch.cat([b[step][1] for b in batches]) for step in range(2)])  # 12 global rows
+    for g in range(12):
+        if g < 7:
+            assert torch.equal(labels[g], torch.from_numpy(rows.sample(g).labels)), g
+        else:
+            assert (labels[g] == IGNORE).all(), f"row {g} past the split must hold no target"
+    targets = sum(int((torch.from_numpy(rows.sample(g).labels) != IGNORE).sum()) for g in range(7))
+    assert int((labels != IGNORE).sum()) == targets == 53 - 3  # every token but each document's first

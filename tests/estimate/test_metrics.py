@@ -297,7 +297,7 @@ def test_unknown_preset_keys_are_errors(recipe, tmp_path) -> None:
 
 
 def test_markov_data_is_deterministic_per_dp_rank(recipe) -> None:
-    cfg = recipe.DataConfig(branching=2)
+    cfg = recipe.data_setup.DataConfig(branching=2)
     a = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg, dp_size=2)
     b = recipe.MarkovTokens(64, 16, 3, dp_rank=0, config=cfg, dp_size=2)
     c = recipe.MarkovTokens(64, 16, 3, dp_rank=1, config=cfg, dp_size=2)
@@ -375,13 +375,13 @@ def test_recipe_predicts_peak_memory(recipe, preset: str, world: int) -> None:
     and MoE blocks is not estimated (None, not a crash)."""
     run = recipe.load_config(str(ROOT / "recipes" / "configs" / f"{preset}.toml"))
     config, _, _ = recipe.build_model_config(run.model)
-    predicted = recipe.predicted_peak_bytes(config, run.plan, world, run.train)
+    predicted = recipe.preflight.predicted_peak_bytes(config, run.plan, world, run.train)
     assert isinstance(predicted, int) and predicted > 0
     if preset == "moe_debug_cpu":
         mixed = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=256,
                             meshkit_moe={"num_experts": 4, "top_k": 2, "layers": [0]})
-        assert recipe.predicted_peak_bytes(mixed, run.plan, world, run.train) is None
+        assert recipe.preflight.predicted_peak_bytes(mixed, run.plan, world, run.train) is None
 
 
 def _recipe_run(plan: str, log_dir: str) -> dict:

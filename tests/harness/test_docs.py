@@ -134,10 +134,14 @@ def test_every_documented_recipe_command_parses_and_its_config_passes_the_prefli
     for where, command in commands:
         words = shlex.split(command)
         launcher, args = words[:words.index("recipes/train_llama.py")], words[words.index("recipes/train_llama.py") + 1:]
-        assert "torchrun" in " ".join(launcher), (where, command)
-        per_node = int(launcher[launcher.index("--nproc-per-node") + 1])
-        nodes = int(launcher[launcher.index("--nnodes") + 1].split(":")[0]) if "--nnodes" in launcher else 1
         parsed = train_config.build_parser().parse_args(args)
+        if parsed.check:  # `python recipes/train_llama.py ... --check --world N`: one process, N ranks checked
+            assert "torchrun" not in " ".join(launcher) and parsed.world, (where, command)
+            per_node, nodes = parsed.world, 1
+        else:
+            assert "torchrun" in " ".join(launcher), (where, command)
+            per_node = int(launcher[launcher.index("--nproc-per-node") + 1])
+            nodes = int(launcher[launcher.index("--nnodes") + 1].split(":")[0]) if "--nnodes" in launcher else 1
         run = train_config.apply_cli(train_config.load_config(str(ROOT / parsed.config)), parsed)
         if "path" in run.model and not Path(run.model["path"]).is_dir():
             continue  # a placeholder checkpoint directory (/path/to/model): the flags parsed, nothing to load

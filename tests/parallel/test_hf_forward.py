@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests_support import GRAD_TOL, LOSS_TOL
 
 import meshkit
 from meshkit.testing.reference import ModelSpec
-from tests_support import GRAD_TOL, LOSS_TOL
 
 SPEC = ModelSpec(layers=2, vocab=96)
 BATCH, SEQ = 4, 11  # odd: the plans that split the sequence pad it inside the forward

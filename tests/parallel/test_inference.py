@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import meshkit
-from meshkit.inference.generate import choose
+from meshkit.inference.sampling import choose
 from meshkit.testing.families import family_spec
 from meshkit.testing.reference import ModelSpec
 
@@ -82,15 +82,17 @@ def _sample_on_rank(plan: str, spec: ModelSpec) -> dict:
     reference = spec.build()
     pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
     ids = _prompts(spec.vocab)[_rows(pm)]
-    first = pm.generate(ids, max_new_tokens=NEW, temperature=0.8, top_k=10, seed=7)
-    again = pm.generate(ids, max_new_tokens=NEW, temperature=0.8, top_k=10, seed=7)
-    other = pm.generate(ids, max_new_tokens=NEW, temperature=0.8, top_k=10, seed=8)
+    sampled = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=10, eos_token_id=[])
+    first = pm.generate(ids, **sampled, seed=7)
+    again = pm.generate(ids, **sampled, seed=7)
+    other = pm.generate(ids, **sampled, seed=8)
     # The same draw on the single-device model, step by step without a cache.
     generator, tokens = torch.Generator().manual_seed(7), ids
     with torch.no_grad():
         for _ in range(NEW):
             logits = reference(input_ids=tokens, use_cache=False).logits[:, -1]
-            tokens = torch.cat([tokens, choose(logits, 0.8, 10, generator)[:, None]], dim=1)
+            chosen = choose(logits, do_sample=True, temperature=0.8, top_k=10, generator=generator)
+            tokens = torch.cat([tokens, chosen[:, None]], dim=1)
     return {"first": first.tolist(), "again": again.tolist(), "other": other.tolist(), "ref": tokens.tolist()}
 
 

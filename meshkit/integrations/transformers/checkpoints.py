@@ -7,9 +7,10 @@
   folder holds the HF weights instead, as the Trainer's would (no resume then, as in the Trainer).
 - `resume_from_checkpoint`: the model, optimizer and scheduler come back together once the Trainer
   has built its optimizer and scheduler; a folder with HF weights only loads the weights.
-- `save_model(dir)`: HF safetensors through `pm.save_hf_checkpoint` (rank 0 writes what every rank
-  holds; `from_pretrained` loads it as it is), the tokenizer (`save_pretrained`, rank 0) and the
-  training arguments beside it, as the Trainer's `_save` writes them.
+- `save_model(dir)`: HF safetensors, generation config and the tokenizer (`processing_class`, or the
+  collator's) through `pm.save_hf_checkpoint(dir, tokenizer=...)` (rank 0 assembles and writes;
+  `from_pretrained` loads it as it is), and the training arguments beside them, as the Trainer's
+  `_save` writes them.
 """
 
 from __future__ import annotations
@@ -66,12 +67,9 @@ def load_model_weights(trainer: Any, folder: str) -> None:
 
 def save_model(trainer: Any, output_dir: str) -> None:
     """HF weights, tokenizer and training arguments in `output_dir` (every rank calls it; rank 0 writes)."""
-    trainer.parallel_model.save_hf_checkpoint(output_dir)
-    if not trainer.args.should_save:
-        return
     tokenizer = trainer.processing_class
     if tokenizer is None:
         tokenizer = getattr(trainer.data_collator, "tokenizer", None)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output_dir)
-    torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+    trainer.parallel_model.save_hf_checkpoint(output_dir, tokenizer=tokenizer)
+    if trainer.args.should_save:
+        torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
