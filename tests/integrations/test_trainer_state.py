@@ -1,6 +1,6 @@
 """A meshkit Trainer's checkpoints and refusals: `save_steps` checkpoints resumed under another plan
 and world size land on the uninterrupted single-process HF run; `save_model` writes a directory
-`from_pretrained` and `AutoTokenizer` load; a plan that does not fit the world, DeepSpeed/FSDP
+`from_pretrained` loads (with the tokenizer: tests/integrations/test_trl.py); a plan that does not fit the world, DeepSpeed/FSDP
 arguments beside `plan=`, and a `compute_loss` override under pp > 1 are refused on every rank
 before any collective."""
 
@@ -18,7 +18,6 @@ from trainer_cases import (
     arguments,
     collate,
     losses,
-    make_tokenizer,
     reference_run,
     rows,
 )
@@ -38,13 +37,12 @@ class _StopAt(transformers.TrainerCallback):
 
 
 def _train(plan: str, data: list[dict], output_dir: str, per_device: int, stop_at: int = 4, resume: str | None = None,
-           save_to: str | None = None, tokenizer_dir: str | None = None) -> dict:
+           save_to: str | None = None) -> dict:
     from datasets import Dataset
 
     args = arguments(output_dir, per_device, steps=4, save_strategy="steps", save_steps=2)
-    tok = None if tokenizer_dir is None else transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     trainer = Trainer(model=DENSE.build(), args=args, train_dataset=Dataset.from_list(data), data_collator=collate,
-                      processing_class=tok, plan=plan, callbacks=[_StopAt(stop_at)])
+                      plan=plan, callbacks=[_StopAt(stop_at)])
     trainer.train(resume_from_checkpoint=resume)
     if save_to:
         trainer.save_model(save_to)
@@ -63,10 +61,8 @@ def test_resume_under_another_plan_and_world_size_lands_on_the_uninterrupted_run
     assert (folder / "trainer_state.json").is_file() and (folder / "meshkit" / ".metadata").is_file(), \
         sorted(os.listdir(folder))
     assert first[0]["losses"] == pytest.approx(ref["losses"][:2], abs=LOSS_TOL)
-    make_tokenizer(str(tmp_path / "tok"))
     export = str(tmp_path / "export")
-    second = dist(2).run(_train, "dp_shard=2", data, str(tmp_path / "run"), 2, resume=str(folder),
-                         save_to=export, tokenizer_dir=str(tmp_path / "tok"))
+    second = dist(2).run(_train, "dp_shard=2", data, str(tmp_path / "run"), 2, resume=str(folder), save_to=export)
     for rank, r in enumerate(second):
         assert r["step"] == 4
         # The first two entries come from the checkpoint's trainer_state.json, the last two were trained here.
@@ -76,7 +72,6 @@ def test_resume_under_another_plan_and_world_size_lands_on_the_uninterrupted_run
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
     worst = max((loaded.state_dict()[k] - v).abs().max().item() for k, v in ref["state"].items())
     assert worst <= PARAM_TOL, f"the exported model differs from HF's trained one by {worst:.3g}"
-    assert transformers.AutoTokenizer.from_pretrained(export).chat_template is not None
 
 
 class _OwnLoss(transformers.Trainer):

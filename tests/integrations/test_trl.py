@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from trainer_cases import CHAT, conversations, losses, make_tokenizer, preferences, prompt_completions
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import meshkit
 from meshkit.integrations.transformers import meshkit_trainer
@@ -29,7 +30,7 @@ def _sft_args(output_dir: str, per_device: int, accumulation: int, **extra):
 
 
 def _sft(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str, per_device: int, accumulation: int,
-         extra: dict) -> dict:
+         extra: dict, save_to: str | None = None) -> dict:
     import trl
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -40,6 +41,8 @@ def _sft(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str
     trainer = cls(model=CHAT.build(), args=_sft_args(output_dir, per_device, accumulation, **extra),
                   train_dataset=Dataset.from_list(data), processing_class=tok, **kwargs)
     trainer.train()
+    if save_to:
+        trainer.save_model(save_to)
     history = trainer.state.log_history
     if plan is None:
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -73,7 +76,9 @@ def test_sft_matches_trl_on_the_global_batch(dist, tmp_path, tokenizer_dir, plan
     count = per_device * dp * accumulation * 3 * (4 if extra.get("packing") else 1)
     data = prompt_completions(count) if kind == "completion" else conversations(count)
     ref = _sft(None, tokenizer_dir, data, str(tmp_path / "ref"), per_device * dp, accumulation, extra)
-    results = dist(ranks).run(_sft, plan, tokenizer_dir, data, str(tmp_path / "mk"), per_device, accumulation, extra)
+    export = str(tmp_path / "export")
+    results = dist(ranks).run(_sft, plan, tokenizer_dir, data, str(tmp_path / "mk"), per_device, accumulation, extra,
+                              save_to=export)
     for rank, r in enumerate(results):
         assert len(r["losses"]) == len(ref["losses"]) == 3, (r["losses"], ref["losses"])
         worst = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
@@ -84,6 +89,10 @@ def test_sft_matches_trl_on_the_global_batch(dist, tmp_path, tokenizer_dir, plan
     state = results[0]["state"]
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items() if v.numel())
     assert worst <= SFT_PARAM_TOL, f"{plan}: weights differ from TRL's by {worst:.3g}"
+    # save_model: the weights from_pretrained loads, and the tokenizer with its chat template beside them
+    loaded = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    assert max((loaded[k] - v).abs().max().item() for k, v in state.items() if v.numel()) == 0
+    assert AutoTokenizer.from_pretrained(export).chat_template == AutoTokenizer.from_pretrained(tokenizer_dir).chat_template
 
 
 def _dpo(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str, per_device: int) -> dict:
@@ -125,5 +134,4 @@ def test_dpo_with_a_reference_model_under_the_same_plan_matches_trl(dist, tmp_pa
             assert worst <= 1e-4, f"{plan}, rank {rank}: {key} {r['logged'][key]} vs TRL {values}"
     state = results[0]["state"]
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items() if v.numel())
-    print(plan, ref["logged"], results[0]["logged"], worst)
     assert worst <= SFT_PARAM_TOL, f"{plan}: weights differ from TRL's by {worst:.3g}"
