@@ -121,7 +121,8 @@ def _dpo(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str
     return {"logged": logged, "state": state}
 
 
-@pytest.mark.parametrize("plan, ranks", [("tp=2,dp_shard=2", 4), ("cp=2,dp_shard=2,cp_attention=zigzag", 4)])
+@pytest.mark.parametrize("plan, ranks", [("tp=2,dp_shard=2", 4), ("cp=2,dp_shard=2,cp_attention=zigzag", 4)],
+                         ids=["tp=2,dp_shard=2", "cp=2,dp_shard=2,cp_attention=zigzag"])
 def test_dpo_with_a_reference_model_under_the_same_plan_matches_trl(dist, tmp_path, tokenizer_dir, plan, ranks):
     dp = meshkit.Plan.from_string(plan).resolve(ranks).dp
     data = preferences(2 * dp * 3)
