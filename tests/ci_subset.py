@@ -124,6 +124,8 @@ SLOW_CASES: dict[str, str] = {
     "[dp_shard=2,zero=1]": "test_trl's CI cases; zero=1 graphs in test_hf_forward",
     "tests/integrations/test_trainer.py::test_a_loss_of_ones_own_runs_through_the_models_forward[tp=2]":
         "test_trl's CI cases; tp without FSDP in test_hf_forward's scope test",
+    "tests/integrations/test_trainer.py::test_samplers_epochs_and_uneven_batches_follow_hf_ddp":
+        "tp=2,dp_shard=2 (accelerate's seedable random sampler over the data ranks)",
     "tests/integrations/test_trainer.py::test_tensorboard_logging_writes_from_rank_0":
         "the CI Trainer runs log through the same callbacks (TensorBoard is one of HF's)",
     "tests/integrations/test_trl.py::test_sft_matches_trl_on_the_global_batch[tp=2,dp_shard=2-completion]":

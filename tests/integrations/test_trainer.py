@@ -43,8 +43,9 @@ def _meshkit_run(plan: str, spec, data: list[dict], output_dir: str, per_device:
                                            plan=plan, **model)
     trainer.train()
     history = trainer.state.log_history
+    predicted = None if eval_data is None else trainer.predict(Dataset.from_list(eval_data)).predictions
     return {"losses": losses(history), "norms": [e["grad_norm"] for e in history if "grad_norm" in e],
-            "eval": None if eval_data is None else trainer.evaluate()["eval_loss"],
+            "eval": None if eval_data is None else trainer.evaluate()["eval_loss"], "predictions": predicted,
             "state": trainer.parallel_model.full_state_dict()}
 
 
@@ -57,6 +58,11 @@ def _compare(plan: str, ref: dict, results: list[dict]) -> None:
         assert worst <= LOSS_TOL, f"{plan}, rank {rank}: grad norms {r['norms']} vs HF {ref['norms']}"
         if ref["eval"] is not None:
             assert abs(r["eval"] - ref["eval"]) <= LOSS_TOL, f"{plan}, rank {rank}: eval {r['eval']} vs HF {ref['eval']}"
+            # predict: every row's logits at its real positions (batches pad to different lengths per split)
+            for i, row in enumerate(ref["eval_rows"]):
+                n = len(row["input_ids"])
+                worst = abs(r["predictions"][i, :n] - ref["predictions"][i, :n]).max()
+                assert worst <= 1e-4, f"{plan}, rank {rank}: predicted logits of row {i} differ by {worst:.3g}"
     state = results[0]["state"]
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items() if v.numel())
     assert worst <= PARAM_TOL, f"{plan}: weights differ from HF's Trainer by {worst:.3g}"
@@ -122,3 +128,26 @@ def test_tensorboard_logging_writes_from_rank_0(dist, tmp_path):
     first, second = dist(2).run(_logged_to_tensorboard, str(tmp_path))
     assert len(first) == 1 and first[0].startswith("events.out.tfevents"), first
     assert second == first, "rank 1 wrote a log of its own"
+
+
+def _sampler_run(plan: str | None, data: list[dict], output_dir: str) -> list[float]:
+    from datasets import Dataset
+
+    # Two epochs, rows grouped by length, an uneven last batch (accelerate pads it as for DDP).
+    args = arguments(output_dir, 2, steps=-1, num_train_epochs=2, train_sampling_strategy="group_by_length",
+                     dataloader_drop_last=False)
+    kwargs = dict(model=DENSE.build(), args=args, train_dataset=Dataset.from_list(data), data_collator=collate)
+    trainer = Trainer(plan=plan, **kwargs) if plan else transformers.Trainer(**kwargs)
+    trainer.train()
+    return losses(trainer.state.log_history)
+
+
+def test_samplers_epochs_and_uneven_batches_follow_hf_ddp(dist, tmp_path):
+    """group_by_length, epochs and a short last batch: the same rows per step as HF's own Trainer with
+    DDP over the same two processes (a single process groups lengths by other megabatches)."""
+    data = rows(18)
+    ddp = dist(2).run(_sampler_run, None, data, str(tmp_path / "ddp"))
+    mine = dist(2).run(_sampler_run, "dp_shard=2", data, str(tmp_path / "mk"))
+    assert len(ddp[0]) == 10, ddp[0]  # 18 rows / (2 x 2) -> 5 steps per epoch
+    for rank in range(2):
+        assert mine[rank] == pytest.approx(ddp[rank], abs=LOSS_TOL), (mine[rank], ddp[rank])

@@ -80,9 +80,10 @@ def reference_run(spec: ModelSpec, data: list[dict], output_dir: str, per_device
                           eval_dataset=None if eval_data is None else Dataset.from_list(eval_data))
     trainer.train()
     norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    predicted = None if eval_data is None else trainer.predict(Dataset.from_list(eval_data)).predictions
     return {"losses": losses(trainer.state.log_history), "norms": norms,
-            "eval": None if eval_data is None else trainer.evaluate()["eval_loss"],
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+            "eval": None if eval_data is None else trainer.evaluate()["eval_loss"], "predictions": predicted,
+            "eval_rows": eval_data, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 CHAT_VOCAB = 320
 CHAT = ModelSpec(layers=2, vocab=CHAT_VOCAB)
