@@ -28,6 +28,7 @@ from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.data_parallel.fsdp import apply_data_parallel
 from meshkit.expert_parallel import MoE, apply_expert_parallel
 from meshkit.inference.hf_forward import install_hf_forward
+from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
@@ -42,15 +43,19 @@ from meshkit.tensor_parallel.styles import apply_tensor_parallel
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
     """Shard and wrap `model` in place according to `plan`; return the handle that trains it.
 
-    `model` is an HF Llama-family `*ForCausalLM`, on CPU, on its GPU, or on the meta device (then call
+    `model` is an HF Llama-family `*ForCausalLM`, or a PEFT `PeftModel` wrapping one with a LoRA adapter
+    (its frozen weights stay frozen, each adapter is sharded like its base layer: `tensor_parallel.lora`,
+    names stay PEFT's), on CPU, on its GPU, or on the meta device (then call
     `ParallelModel.init_weights` or `load_full_state_dict`: each rank materialises only its shards).
     Every invalid input raises ValueError on every rank before the first collective.
     """
     plan, mesh = _validate(model, plan, mesh)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     llama.use_meshkit_attention(model)
     split = _apply_pipeline_split(model, plan, mesh)
     _apply_tensor_parallel(split, plan, mesh)
     expert_mesh = _apply_expert_parallel(split, plan, mesh)
+    _keep_frozen(model, frozen)
     context_parallel = _context_parallel_attention(plan, mesh)
     blocks = _apply_activation_checkpointing(split, plan)
     _apply_compile(blocks, split.held_blocks, plan)
@@ -62,8 +67,18 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
                                                   tp_summed_params=_tp_summed_params(split, plan),
                                                   tied_aliases=split.tied_aliases, tied_group=split.tied_group,
                                                   mirror_group=split.mirror_group))
-    install_hf_forward(model, pm)  # model(...) and model.generate run through meshkit from here on
+    for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
+        install_hf_forward(handle, pm)  # model(...) and model.generate run through meshkit from here on
     return pm
+
+
+def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
+    """Freeze again what the user froze: torch's SequenceParallel makes fresh parameters that
+    require grad, which would train a LoRA model's frozen norms (NeMo AutoModel #547 trained every
+    parameter that way). Before FSDP, which keeps each parameter's flag."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in frozen and param.requires_grad:
+            param.requires_grad_(False)
 
 
 def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Plan, DeviceMesh]:
@@ -76,8 +91,13 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     if not isinstance(plan, Plan):
         raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
     llama.check_supported(model)
-    if moe_models.is_moe_model(model):
-        moe_models.convert_moe_blocks(model)
+    if peft_model.is_peft_model(model):  # before MoE conversion, which would drop an adapter on an MoE block
+        peft_problems = peft_model.adapter_problems(model, plan.tp)
+        if peft_problems:
+            raise PlanError.of(*peft_problems)
+    lm = llama.causal_lm(model)
+    if moe_models.is_moe_model(lm):
+        moe_models.convert_moe_blocks(lm)
     if mesh is None:
         mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
@@ -86,6 +106,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
     problems += roles.structure_problems(parts.blocks, model.config, plan.tp)
+    problems += peft_model.tp_problems(model, plan.tp) if peft_model.is_peft_model(model) else []
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:

@@ -25,6 +25,8 @@ from meshkit.data_parallel.fsdp import reshard_fsdp
 from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.inference import forward, generate
+from meshkit.integrations.peft import export as peft_export
+from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
 from meshkit.pipeline.costs import PlanSchedules
 from meshkit.pipeline.p2p import TensorMeta
@@ -88,7 +90,7 @@ class ParallelModel:
         # all-reduce, parameters in name order) and the norm counts the down pipeline's copy only.
         self._mirror_group, self._mirror_params = sharded.mirror_group, []
         if self._mirror_group is not None:
-            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held]
+            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held and p.requires_grad]
             self._not_in_norm |= {id(p) for s, part in stages.items() if s >= plan.pp for p in part.parameters()}
         # Router auxiliary terms (meshkit MoE coefficients, HF's output_router_logits): weights and values.
         self._aux = AuxLosses(model, self.model_parts, mesh, plan.microbatches)
@@ -151,12 +153,9 @@ class ParallelModel:
 
     def dataloader(self, store: TokenStore | Mapping[str, TokenStore], *, seq_len: int, global_batch: int,
                    **kwargs) -> PackedLoader:
-        """A `meshkit.data.PackedLoader` feeding this model: dp rank and size from the mesh.
-
-        Checks first, on every rank alike, that the store's vocabulary fits the embedding and that
-        `seq_len` is within `max_position_embeddings`. `global_batch` counts rows over all dp ranks;
-        other keywords (seed, split, pack, weights, prefetch) go to the loader.
-        """
+        """A `meshkit.data.PackedLoader` feeding this model (dp rank and size from the mesh), after checking on
+        every rank that the store's vocabulary fits the embedding and `seq_len` max_position_embeddings.
+        `global_batch` counts rows over all dp ranks; other keywords (seed, split, pack...) go to the loader."""
         check_fits_model(store, seq_len, self.model.config)
         return PackedLoader(store, seq_len=seq_len, global_batch=global_batch, dp_rank=self.dp_rank,
                             dp_size=self.dp_size, **kwargs)
@@ -264,15 +263,10 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
                  position_ids: torch.Tensor | None = None, parts: bool = False) -> torch.Tensor | loss_lib.LossParts:
-        """The global-batch loss without touching gradients (eval mode is the caller's choice): the same
-        value `forward_backward` returns on the batch (CE plus router auxiliary terms; `parts=True`
-        returns them apart as `LossParts`).
-
-        Under pp > 1 the training schedule's forwards run alone, in its order, over the same
-        `pp_microbatches`. FSDP units are resharded afterwards: a unit left gathered (the last one is
-        never resharded after forward) would otherwise serve stale weights to the next forward if
-        the optimizer stepped in between.
-        """
+        """The global-batch loss without touching gradients (eval mode is the caller's choice): what
+        `forward_backward` returns on the batch (`parts=True`: `LossParts`). Under pp > 1 the training
+        schedule's forwards run alone. FSDP units are resharded afterwards: the last one, left gathered
+        after forward, would serve stale weights to the next forward once the optimizer stepped."""
         batch = self._prepare(input_ids, labels, position_ids)
         denominator = float(max(batch.valid_tokens, 1))
         self._aux.begin(1.0, measure=True)
@@ -424,27 +418,28 @@ class ParallelModel:
         return checkpoint.load(path, self, optimizer, **kwargs)
 
     def load_hf_checkpoint(self, directory, strict: bool = True) -> None:
-        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
-        hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
+        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds.
+        A LoRA model takes its base model's directory or a PEFT adapter directory (`peft.export`)."""
+        lora = peft_model.is_peft_model(self.model)
+        (peft_export.load_hf if lora else hf_checkpoint.load_hf_checkpoint)(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB",
+                           merge: bool = False) -> None:
         """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
         given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
-        Only rank 0 assembles the full state and writes; every rank calls it."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        Only rank 0 assembles the full state and writes; every rank calls it. A LoRA model writes its
+        adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        if merge or peft_model.is_peft_model(self.model):
+            peft_export.save_hf(self, directory, merge=merge, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        else:
+            hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
-
-        Each parameter's values depend only on (seed, its HF name), never on the plan: the same seed
-        gives the same model under any plan. Memory peak is one full parameter, never the whole model.
-        """
+        """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard: values
+        depend only on (seed, HF name), never on the plan; the peak is one full parameter, never the model."""
         full.init_weights(self, seed)
 
     def materialise(self) -> None:
-        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta.
-
-        `init_weights`, `load_full_state_dict` and the checkpoint loaders call it; call it yourself
-        only to fill the shards by other means.
-        """
+        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta. The
+        loaders and `init_weights` call it; call it yourself only to fill the shards by other means."""
         full.materialise(self)

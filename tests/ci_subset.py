@@ -136,4 +136,28 @@ SLOW_CASES: dict[str, str] = {
     "[cp=2,dp_shard=2,cp_attention=ulysses-completion-packed]": "ring packed (documents under cp)",
     "tests/integrations/test_trl.py::test_dpo_with_a_reference_model_under_the_same_plan_matches_trl"
     "[cp=2,dp_shard=2,cp_attention=zigzag]": "tp=2,dp_shard=2 (the same DPO path)",
+    "tests/integrations/test_lora.py::test_lora_plans[tp2-no-sp]": "tp2-sp-local (the same local path with SP's collectives) and the property test's tp=2 plans",
+    "tests/integrations/test_lora.py::test_lora_plans[hsdp]": "the property test's dp_replicate=2 plans; FSDP over the adapters in tp2-sp-local",
+    "tests/integrations/test_lora.py::test_lora_plans[cp2-tp2-ulysses]": "the property test's cp=2 plans (ring, zigzag, ulysses, allgather drawn)",
+    "tests/integrations/test_lora.py::test_lora_plans[cp2-ring]": "the property test's cp=2 plans",
+    "tests/integrations/test_lora.py::test_lora_plans[cp2-allgather]": "the property test's cp=2 plans",
+    "tests/integrations/test_lora.py::test_lora_plans[cp4-usp]": "the property test's cp=2 plans (the adapter never sees attention: the kinds differ only there)",
+    "tests/integrations/test_lora.py::test_lora_plans[tp2-sac]": "the property test's selective/full AC draws",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-full-ac]": "the property test's selective/full AC draws",
+    "tests/integrations/test_lora.py::test_lora_plans[zero1]": "the property test's zero=1/2/3 draws",
+    "tests/integrations/test_lora.py::test_lora_plans[zero2]": "the property test's zero=1/2/3 draws",
+    "tests/integrations/test_lora.py::test_lora_plans[offload-params]": "dp_shard in tp2-sp-local; offload moves whole FSDP units, frozen or not",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-interleaved]": "pp2-tp2-zbh1 and the property test's schedules",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-gpipe-tied]": "pp2-tp2-zbh1 and the property test's tied draws",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zbv]": "pp2-tp2-zbh1 (the B/W split of the adapters) and the property test's zb_v draws",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-dualpipev]": "pp2-tp2-zbh1 (the B/W split of the adapters)",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zbh2]": "pp2-tp2-zbh1 (the B/W split of the adapters)",
+    "tests/integrations/test_lora.py::test_lora_plans[mixtral-ep2-tp2]": "test_lora_refusals (adapters inside MoE blocks) and tp2-sp-local for attention adapters",
+    "tests/integrations/test_lora.py::test_lora_plans[qwen2moe-dense-mlp-ep2]": "test_lora_refusals (adapters inside MoE blocks) and tp2-sp-local",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-dualpipe-tied]":
+        "pp2-tp2-zbh1 (the adapters' B/W split); the mirror pair sums only gradients that exist",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zb-auto]": "pp2-tp2-zbh1 (the adapters' B/W split)",
+    "tests/integrations/test_lora.py::test_lora_plans[compiled-fsdp]":
+        "tp2-sp-local (the adapters' FSDP path); compile without adapters in test_training_semantics",
+    "tests/integrations/test_lora.py::test_lora_plans[qwen2-biases]": "tp2-sp-local (colwise biases shard with the base, as without LoRA)",
 }

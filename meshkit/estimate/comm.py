@@ -81,6 +81,11 @@ class FsdpUnit:
     group: int      # ranks its parameters are sharded over
     axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
     regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
+    grad_elements: int = -1  # of `elements`, those with gradients (frozen LoRA bases have none); -1: all
+
+    def __post_init__(self) -> None:
+        if self.grad_elements < 0:
+            object.__setattr__(self, "grad_elements", self.elements)
 
 
 def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
@@ -92,21 +97,25 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     resharded after forward. Under a V the first and last stage share pp rank 0: a tied embedding is
     two units there (the embedding, and the head's copy, which its backward does read).
     """
-    units, fsdp, reshard = state.unit_elements, plan.dp_shard * plan.cp, plan.fsdp_reshard
+    units, grads = state.unit_elements, state.grad_unit_elements
+    fsdp, reshard = plan.dp_shard * plan.cp, plan.fsdp_reshard
     tied = getattr(config, "tie_word_embeddings", False)
     if units["embed"] and tied and plan.pp == 1:
         units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
+        grads = {**grads, "embed": 0, "head": grads["embed"] + grads["head"]}
     ends = stage_ranks(plan)
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
     # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
     mixed = len(set(moe.block_kinds(config))) > 1
-    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard)
-              for b in state.block_units]
-    out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
+    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard,
+                       b.block_grad) for b in state.block_units]
+    out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False,
+                             grads["embed"])]
     if copies == 2:
-        out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard))
-    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False))
-    out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard)
+        out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard,
+                            grads["embed"]))
+    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False, grads["head"]))
+    out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard, b.expert_grad)
             for b in state.block_units if b.kind == "moe"]
     return [u for u in out if u.count]
 
@@ -168,21 +177,29 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                     (False, True): ("attention inputs", "o outputs", "conjugate")}.get(
                 (dense_blocks > 0, moe_blocks > 0), ("attention (+MLP in dense blocks) inputs",
                                                      "o (+down in dense blocks) outputs", "conjugates"))
+            free = state.grad_free_edges  # a LoRA model's backward stops before the first adapter
             add("tp", "all_gather", f"SP: {what[0]} (fwd), RS {what[2]} (bwd), recompute",
-                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec_ag) + edges), bsh, t, None)
+                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec_ag) + edges - free), bsh, t, None)
             add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
-                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges), bsh, t, None)
+                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges - free), bsh, t, None)
         if plan.sequence_parallel:
             # replicated norm weights see a sequence shard: their gradients are reduced once per call
-            add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
-                h * 4, t, None)
+            # (a LoRA model's norms are frozen: none)
+            add("tp", "all_reduce", "SP norm-weight gradients", 0 if state.frozen_norms else
+                workload.calls(plan) * (2 * blocks + int(last_stage)), h * 4, t, None)
         else:
             # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
             add("tp", "all_reduce", "TP: o/down outputs (fwd), attention/MLP input grads (bwd), recompute",
-                m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
-        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows of
-            add("tp", "all_reduce", "row-selected weights (replicated K/V, packed projections): gradients",
+                m * (blocks * (4 + (ac != "none")) + edges - state.grad_free_edges), bsh, t, None)
+        if state.adapter_partial_tensors:  # LoRA halves every tp rank holds whole: their shares summed, in the
+            # compute dtype (the Partial gradient is redistributed before FSDP casts it to the reduce dtype)
+            add("tp", "all_reduce", "LoRA A (column bases) / B (row bases) gradients",
+                workload.calls(plan) * state.adapter_partial_tensors,
+                state.adapter_partial_elements * act / state.adapter_partial_tensors, t, None)
+        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows or heads of
+            add("tp", "all_reduce", "whole weights with partial gradients (replicated K/V, packed projections, "
+                "MLA latents)",
                 workload.calls(plan) * state.tp_partial_tensors,
                 state.tp_partial_elements * 4 / state.tp_partial_tensors, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
@@ -211,10 +228,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
                     u.elements * act, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
-                u.elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
+                u.grad_elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
-            count = sum(u.count for u in dense)
-            total = sum(u.elements * u.count for u in dense)
+            count = sum(u.count for u in dense if u.grad_elements)
+            total = sum(u.grad_elements * u.count for u in dense)
             add("dp_replicate", "all_reduce", "HSDP: gradient shards", syncs * count, total * red / fsdp / count,
                 rep, t_bwd)
         if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
@@ -297,5 +314,5 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 shard_sums, state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
         if chains == 2:  # DualPipe: pp ranks r and pp-1-r hold the same layers; one flat fp32 all-reduce
             add("pp", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
-                (state.params + state.tensors) * 4, 2, None)  # + one presence flag per tensor
+                (state.trained_params + state.trained_tensors) * 4, 2, None)  # + one presence flag per tensor
     return out

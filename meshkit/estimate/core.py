@@ -20,6 +20,7 @@ communication that does not hide + what offload adds. docs/estimate.md has the d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
@@ -181,6 +182,17 @@ def _mean_active_params(config: Any) -> float:
     return _MEAN_ACTIVE[key]
 
 
+def _backward_ratio(flops: metrics.FlopsPerToken, state: Any) -> float:
+    """Backward over forward FLOPs: 2 when every weight trains; a LoRA model computes the input
+    gradients of its frozen weights but not their weight gradients, so its dense part costs about
+    (1 + trainable share) of the forward. (Pipeline schedules are simulated at full fine-tuning's
+    costs, an upper bound for LoRA.)"""
+    if flops.model == 0 or state.held_trainable == state.held_elements:
+        return 2.0
+    trainable = state.held_trainable / max(state.held_elements, 1)
+    return (flops.dense / 3 * (1 + trainable) + 2 * flops.attention / 3) / (flops.model / 3)
+
+
 def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: Device | str = "h100") -> Estimate:
     """Memory, FLOPs, communication and step time of one plan. pp/cp/ep degrees meshkit does not run
     yet are estimated all the same; `plan_search` marks them."""
@@ -198,11 +210,15 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     heads, d_qk, d_v = roles.score_value_dims(config)
     # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block
     # transfer (FSDP's gather of the next block) can hide behind.
+    # MLA's down-projections run whole on every tp rank: (tp - 1) more copies of their FLOPs, per rank 1/tp
+    replicated = 2 * roles.tp_replicated_params(config) * (plan.tp - 1)
     mean_active = _mean_active_params(config)
-    t_layer_fwd = (2 * mean_active + 2 * heads * (d_qk + d_v) * workload.seq) * share
-    t_layer_rec = flops.recompute * share / config.num_hidden_layers
-    t_stage_fwd = flops.model / 3 * share / plan.pp
-    t_stage_rec = flops.recompute * share / plan.pp
+    t_layer_fwd = (2 * mean_active + replicated + 2 * heads * (d_qk + d_v) * workload.seq) * share
+    t_layer_rec = (flops.recompute / config.num_hidden_layers
+                   + replicated * (plan.activation_checkpointing == "full")) * share
+    t_stage_fwd = (flops.model / 3 + replicated * config.num_hidden_layers) * share / plan.pp
+    t_stage_rec = (flops.recompute + replicated * config.num_hidden_layers * (plan.activation_checkpointing == "full")
+                   ) * share / plan.pp
     state0 = model_state(config, plan, pp_rank=stage_ranks(plan)[-1])
     comm = communication(config, plan, workload, device, state0, t_layer_fwd, t_layer_rec)
     sim = None
@@ -220,7 +236,9 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
         compute = workload.calls(plan) * float(sim.step_time) * t_stage_fwd * plan.pp / plan.pp_chunks
         bubble = float(sim.bubble_fraction)
     else:
-        compute, bubble = workload.microbatches * (3 * t_stage_fwd + t_stage_rec), 0.0
+        compute, bubble = workload.microbatches * ((1 + _backward_ratio(flops, state0)) * t_stage_fwd + t_stage_rec), 0.0
+    if state0.held_trainable != state0.held_elements:  # LoRA: model FLOPs without the frozen weights' gradients
+        flops = dataclasses.replace(flops, dense=flops.dense * (1 + _backward_ratio(flops, state0)) / 3)
     ranks = [rank_memory(config, plan, workload, r, sim.peak_activations[r] if sim is not None else 1)
              for r in range(plan.pp)]
     exposed = sum(c.exposed for c in comm)
@@ -256,5 +274,9 @@ def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
     params = metrics.block_params(config) - 2 * config.hidden_size
     if moe.block_kinds(config)[0] == "moe":  # build_block made block 0's MLP an Identity
         params -= 3 * config.hidden_size * config.intermediate_size
-    formula = 6.0 * params * seq + 6.0 * heads * (d_qk + d_v) * seq * seq
+    # A LoRA block: the frozen base's forward and input gradients (4 per weight), the adapters' all 6.
+    frozen = any(not p.requires_grad for p in block.parameters())
+    adapter = sum(p.numel() for p in block.parameters() if p.requires_grad) if frozen else 0
+    dense = 6.0 * params if not adapter else 4.0 * params + 6.0 * adapter
+    formula = dense * seq + 6.0 * heads * (d_qk + d_v) * seq * seq
     return float(counter.get_total_flops()), formula

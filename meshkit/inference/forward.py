@@ -31,7 +31,6 @@ from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.data_parallel.fsdp import reshard_fsdp
 from meshkit.local_tensor import local_tensor
 from meshkit.mesh import axis
-from meshkit.models import llama
 from meshkit.pipeline.p2p import wire_tensor
 from meshkit.pipeline.schedules import first_pipeline, stage_placement
 from meshkit.plan import DTYPES
@@ -66,8 +65,7 @@ def ids_problem(input_ids, position_ids, config, what: str = "input_ids") -> str
     if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
                                      or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)):
         return f"position_ids must be [1 or {batch}, {seq}], got {getattr(position_ids, 'shape', position_ids)}"
-    problems = llama.check_config(config, seq)
-    return problems[0] if problems else None
+    return None
 
 
 def check_inputs(pm: ParallelModel, input_ids, problem: str | None) -> None:

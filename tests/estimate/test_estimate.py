@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests_support import CI_PROFILE, examples
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, MixtralConfig
 
 from meshkit import estimate as est
 from meshkit.activation_checkpoint import AC_MODES
@@ -49,7 +49,16 @@ MOE_MODEL = dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_
                  num_key_value_heads=2, head_dim=8, vocab_size=258, num_local_experts=4, num_experts_per_tok=2)
 
 
+# DeepSeek-V3's multi-head latent attention, every block dense: 6 heads split 3/3 over tp=2, the latent
+# layers whole on every tp rank.
+MLA_MODEL = dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=6, vocab_size=258, q_lora_rank=16, kv_lora_rank=12, qk_rope_head_dim=4,
+                 qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=2)
+
+
 def _config(kw: dict):
+    if "kv_lora_rank" in kw:
+        return DeepseekV3Config(max_position_embeddings=512, use_cache=False, head_dim=kw["qk_rope_head_dim"], **kw)
     if "num_local_experts" in kw:
         return MixtralConfig(max_position_embeddings=512, use_cache=False, sliding_window=None, **kw)
     return LlamaConfig(max_position_embeddings=512, use_cache=False, **kw)
@@ -122,15 +131,16 @@ def _estimated_activations(config, *, batch: int, seq: int, tp: int, ac: str, dt
 # --------------------------------------------------------------------------- single process
 
 
-def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -> int:
-    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss."""
+def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype, wrap=lambda model: model) -> int:
+    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss;
+    `wrap` makes the model what it trains (a PEFT LoRA model)."""
     from meshkit.activation_checkpoint import apply_activation_checkpointing
     from meshkit.models import llama
     from meshkit.models.stage import CausalLMStage
     from meshkit.step import loss as loss_lib
 
     torch.manual_seed(0)
-    model = _model(config).to(dtype)
+    model = wrap(_model(config)).to(dtype)
     acts.pin_attention(model)
     parts = llama.parts(model)
     stage = CausalLMStage(dict(enumerate(apply_activation_checkpointing(parts.blocks, ac))), parts.rotary,
@@ -216,7 +226,10 @@ MESH_PLANS["pp_dualpipe_tied_fsdp"] = "pp=2,dp_shard=2,pp_schedule=dualpipe,pp_m
 # One K/V head under tp=2: tensor parallelism replicates it (each rank holds the whole K/V projections
 # and computes its query heads' K/V rows), which a role table of plain colwise K/V would count as split.
 MESH_PLANS["tp_replicated_kv"] = "tp=2,dp_shard=2"
-MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {
+# Multi-head latent attention under tp with SP and selective AC: the latent layers run whole on the
+# gathered sequence (their saved tensors full length) and their partial gradients are all-reduced.
+MESH_PLANS["tp_latent_attention"] = "tp=2,dp_shard=2,activation_checkpointing=selective"
+MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {"tp_latent_attention": MLA_MODEL} | {
     key: MESH_MODEL | dict(tie_word_embeddings=True)
     for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp")} | {
     "tp_replicated_kv": MESH_MODEL | dict(num_key_value_heads=1)}
@@ -234,7 +247,8 @@ def mesh_runs(dist) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp",
-                                 "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp", "tp_replicated_kv"])
+                                 "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp", "tp_replicated_kv",
+                                 "tp_latent_attention"])
 def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
     config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     for rank, r in enumerate(mesh_runs[key]):
