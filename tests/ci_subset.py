@@ -136,6 +136,15 @@ SLOW_CASES: dict[str, str] = {
     "[cp=2,dp_shard=2,cp_attention=ulysses-completion-packed]": "ring packed (documents under cp)",
     "tests/integrations/test_trl.py::test_dpo_with_a_reference_model_under_the_same_plan_matches_trl"
     "[cp=2,dp_shard=2,cp_attention=zigzag]": "tp=2,dp_shard=2 (the same DPO path)",
+    # PEFT LoRA through the HF stack: CI keeps the Trainer under tp x fsdp with accumulation and the DPO refusal.
+    "tests/integrations/test_trainer_lora.py::test_trainer_trains_a_peft_model_as_hf_trainer_does"
+    "[pp=2,dp_shard=2,pp_microbatches=2]": "[tp=2,dp_shard=2] (the same Trainer step); LoRA under pp in test_lora",
+    "tests/integrations/test_trainer_lora.py::test_sft_trains_a_peft_model_as_trl_does[tp=2,dp_shard=2-model]":
+        "test_trl's SFT CI case (TRL's loss on the model's forward) and test_trainer_lora's Trainer CI case",
+    "tests/integrations/test_trainer_lora.py::test_sft_trains_a_peft_model_as_trl_does"
+    "[cp=2,tp=2,cp_attention=zigzag-peft_config-packed]": "test_trl's ring packed SFT CI case; LoRA under cp in test_lora",
+    "tests/integrations/test_trainer_lora.py::test_dpo_trains_a_peft_model_against_its_disabled_adapter_as_trl_does":
+        "test_trl's DPO CI case (the same DPO path); PEFT's adapter switch is PEFT's own forward",
     "tests/integrations/test_lora.py::test_lora_plans[tp2-no-sp]": "tp2-sp-local (the same local path with SP's collectives) and the property test's tp=2 plans",
     "tests/integrations/test_lora.py::test_lora_plans[hsdp]": "the property test's dp_replicate=2 plans; FSDP over the adapters in tp2-sp-local",
     "tests/integrations/test_lora.py::test_lora_plans[cp2-tp2-ulysses]": "the property test's cp=2 plans (ring, zigzag, ulysses, allgather drawn)",

@@ -10,23 +10,21 @@ splits of the same batch in one process, its own behaviour), so SFT is compared 
 from __future__ import annotations
 
 import pytest
-from trainer_cases import CHAT, conversations, losses, make_tokenizer, preferences, prompt_completions
+from trainer_cases import (
+    CHAT,
+    SFT_LOSS_TOL,
+    SFT_PARAM_TOL,
+    conversations,
+    losses,
+    make_tokenizer,
+    preferences,
+    prompt_completions,
+    sft_args,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import meshkit
 from meshkit.integrations.transformers import meshkit_trainer
-
-SFT_LOSS_TOL = 1e-4
-SFT_PARAM_TOL = 3e-4
-
-
-def _sft_args(output_dir: str, per_device: int, accumulation: int, **extra):
-    import trl
-
-    return trl.SFTConfig(output_dir=output_dir, per_device_train_batch_size=per_device,
-                         gradient_accumulation_steps=accumulation, max_steps=3, learning_rate=1e-2, adam_epsilon=1e-3,
-                         max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=True,
-                         disable_tqdm=True, dataloader_drop_last=True, bf16=False, **extra)
 
 
 def _sft(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str, per_device: int, accumulation: int,
@@ -38,7 +36,7 @@ def _sft(plan: str | None, tokenizer_dir: str, data: list[dict], output_dir: str
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cls = trl.SFTTrainer if plan is None else meshkit_trainer(trl.SFTTrainer)
     kwargs = {} if plan is None else {"plan": plan}
-    trainer = cls(model=CHAT.build(), args=_sft_args(output_dir, per_device, accumulation, **extra),
+    trainer = cls(model=CHAT.build(), args=sft_args(output_dir, per_device, accumulation, **extra),
                   train_dataset=Dataset.from_list(data), processing_class=tok, **kwargs)
     trainer.train()
     if save_to:

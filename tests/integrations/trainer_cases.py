@@ -14,6 +14,8 @@ DENSE = ModelSpec(layers=2, vocab=VOCAB)
 MOE = ModelSpec(layers=2, intermediate=16, experts=4, top_k=2, vocab=VOCAB)
 LOSS_TOL = 2e-5     # fp32 losses of order 4, logged per step
 PARAM_TOL = 2e-5    # after a few AdamW steps at lr 1e-2 with eps 1e-3 (notes: exactness needs eps ~1e-3)
+SFT_LOSS_TOL = 1e-4  # TRL's SFT loss moves slightly between splits of one batch (tests/integrations/test_trl.py)
+SFT_PARAM_TOL = 3e-4
 
 
 def rows(count: int, seed: int = 0) -> list[dict]:
@@ -51,6 +53,16 @@ def arguments(output_dir: str, per_device: int, accumulation: int = 1, steps: in
                 use_cpu=True, disable_tqdm=True, dataloader_drop_last=True)
     base.update(extra)
     return transformers.TrainingArguments(**base)
+
+
+def sft_args(output_dir: str, per_device: int, accumulation: int, **extra):
+    """TRL's SFTConfig of every SFT comparison (the same optimizer settings as `arguments`, fp32)."""
+    import trl
+
+    return trl.SFTConfig(output_dir=output_dir, per_device_train_batch_size=per_device,
+                         gradient_accumulation_steps=accumulation, max_steps=3, learning_rate=1e-2, adam_epsilon=1e-3,
+                         max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=True,
+                         disable_tqdm=True, dataloader_drop_last=True, bf16=False, **extra)
 
 
 def losses(log_history: list[dict]) -> list[float]:

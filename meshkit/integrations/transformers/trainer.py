@@ -117,6 +117,13 @@ class MeshkitTrainerMixin:
                 raise ValueError(f"the model was parallelized under {pm.plan.describe()}, the trainer's plan is "
                                  f"{self._meshkit_plan.describe()}; fix: pass the same plan, or an unparallelized model")
         else:
+            adapters = list(getattr(model, "peft_config", None) or {})
+            if "ref" in adapters and len(adapters) > 1:
+                raise ValueError(
+                    f"the PeftModel holds the adapters {adapters}: TRL's DPOTrainer copies a PeftModel's adapter into "
+                    "'ref' to serve as the reference when no ref_model is given, and meshkit trains one adapter per "
+                    "model; fix: pass the base model with peft_config=LoraConfig(...) (the reference is then the base "
+                    "model: the adapter disabled)")
             meta = any(p.is_meta for p in model.parameters())
             self._meshkit_plan = arguments_lib.plan_for_arguments(self._meshkit_plan, self.args)
             pm = meshkit.parallelize(model, self._meshkit_plan, mesh=self._meshkit_mesh)
