@@ -10,7 +10,7 @@
 - `save_model(dir)`: HF safetensors, generation config and the tokenizer (`processing_class`, or the
   collator's) through `pm.save_hf_checkpoint(dir, tokenizer=...)` (rank 0 assembles and writes;
   `from_pretrained` loads it as it is), and the training arguments beside them, as the Trainer's
-  `_save` writes them.
+  `_save` writes them. A LoRA model writes its adapter (`PeftModel.from_pretrained` loads it).
 """
 
 from __future__ import annotations

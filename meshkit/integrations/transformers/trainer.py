@@ -19,6 +19,8 @@ replaces the parts that assume DDP over every process:
 - clipping with the global norm (`pm.clip_grad_norm_`), the optimizer over `pm.parameters()` with
   the Trainer's weight-decay groups, DeepSeek-V3 router biases updated after each optimizer step.
 - checkpoints and `save_model`: `checkpoints.py`.
+- PEFT LoRA: a PeftModel (or TRL's `peft_config=`) trains its adapter only, under PEFT's names; TRL
+  DPO's second `ref` adapter, which meshkit cannot hold beside the trained one, is refused (docs/lora.md).
 """
 
 from __future__ import annotations
