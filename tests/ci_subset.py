@@ -143,6 +143,8 @@ SLOW_CASES: dict[str, str] = {
         "test_trl's SFT CI case (TRL's loss on the model's forward) and test_trainer_lora's Trainer CI case",
     "tests/integrations/test_trainer_lora.py::test_sft_trains_a_peft_model_as_trl_does"
     "[cp=2,tp=2,cp_attention=zigzag-peft_config-packed]": "test_trl's ring packed SFT CI case; LoRA under cp in test_lora",
+    "tests/integrations/test_trainer_lora.py::test_a_lora_trainer_checkpoint_resumes_under_another_plan":
+        "test_trainer_state's resume (the same Trainer checkpoint path) and test_lora_checkpoint's LoRA resume",
     "tests/integrations/test_trainer_lora.py::test_dpo_trains_a_peft_model_against_its_disabled_adapter_as_trl_does":
         "test_trl's DPO CI case (the same DPO path); PEFT's adapter switch is PEFT's own forward",
     "tests/integrations/test_lora.py::test_lora_plans[tp2-no-sp]": "tp2-sp-local (the same local path with SP's collectives) and the property test's tp=2 plans",

@@ -2,9 +2,10 @@
 `meshkit_trainer(trl.SFTTrainer)` (or a LoraConfig as TRL's `peft_config=`) and to
 `meshkit_trainer(trl.DPOTrainer)` (the reference is the policy with its adapter disabled, as TRL
 does without a reference model) trains as the same trainer does in one plain process on the global
-batch: the same losses per step, the same adapter weights, the base untouched and frozen; and
+batch: the same losses per step, the same adapter weights, the base untouched and frozen;
 `save_model` writes the adapter as `PeftModel.save_pretrained` does, which `PeftModel.from_pretrained`
-loads onto the base model."""
+loads onto the base model; a `save_steps` checkpoint resumes under another plan and world size; TRL
+DPO's second adapter is refused with the way out."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from trainer_cases import (
     SFT_LOSS_TOL,
     SFT_PARAM_TOL,
     VOCAB,
+    StopAt,
     arguments,
     collate,
     losses,
@@ -108,6 +110,30 @@ def test_trainer_trains_a_peft_model_as_hf_trainer_does(dist, tmp_path, plan, ra
     assert any((ref["state"][k] - v).abs().max() > 1e-3 for k, v in initial.items() if "lora_" in k)
     assert all(torch.equal(state[k], v) for k, v in initial.items() if "lora_" not in k), "a base weight moved"
     _check_adapter_export(export, LORA, state)
+
+
+def _resumable_run(plan: str, data: list[dict], output_dir: str, stop_at: int, resume: str | None = None) -> dict:
+    from datasets import Dataset
+
+    args = arguments(output_dir, 2, steps=4, save_strategy="steps", save_steps=2)
+    trainer = Trainer(model=LORA.build(), args=args, train_dataset=Dataset.from_list(data), data_collator=collate,
+                      plan=plan, callbacks=[StopAt(stop_at)])
+    trainer.train(resume_from_checkpoint=resume)
+    return {"losses": losses(trainer.state.log_history), "state": trainer.parallel_model.full_state_dict()}
+
+
+def test_a_lora_trainer_checkpoint_resumes_under_another_plan(dist, tmp_path):
+    """checkpoint-2 of a tp x fsdp run on 4 ranks (adapter, its AdamW state, the scheduler) resumed by
+    fsdp on 2 ranks: steps 3-4 and the adapter land on HF's uninterrupted single-process run."""
+    data = rows(4 * 4)
+    ref = reference_run(LORA, data, str(tmp_path / "ref"), per_device=4, accumulation=1, steps=4)
+    dist(4).run(_resumable_run, "tp=2,dp_shard=2", data, str(tmp_path / "run"), 2)
+    folder = str(tmp_path / "run" / "checkpoint-2")
+    second = dist(2).run(_resumable_run, "dp_shard=2", data, str(tmp_path / "run"), 4, resume=folder)
+    for rank, r in enumerate(second):
+        assert r["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL), (rank, r["losses"], ref["losses"])
+    worst = max((second[0]["state"][k] - v).abs().max().item() for k, v in ref["state"].items() if v.numel())
+    assert worst <= PARAM_TOL, f"resumed weights differ from the uninterrupted HF run by {worst:.3g}"
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from trainer_cases import (
     DENSE,
     LOSS_TOL,
     PARAM_TOL,
+    StopAt,
     arguments,
     collate,
     losses,
@@ -25,24 +26,13 @@ from trainer_cases import (
 from meshkit.integrations.transformers import Trainer, meshkit_trainer
 
 
-class _StopAt(transformers.TrainerCallback):
-    """Ends training after `step` optimizer steps of a longer schedule (a run that was interrupted)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        """Stop once `step` steps are done (the checkpoint of that step is still written)."""
-        control.should_training_stop = state.global_step >= self.step
-
-
 def _train(plan: str, data: list[dict], output_dir: str, per_device: int, stop_at: int = 4, resume: str | None = None,
            save_to: str | None = None) -> dict:
     from datasets import Dataset
 
     args = arguments(output_dir, per_device, steps=4, save_strategy="steps", save_steps=2)
     trainer = Trainer(model=DENSE.build(), args=args, train_dataset=Dataset.from_list(data), data_collator=collate,
-                      plan=plan, callbacks=[_StopAt(stop_at)])
+                      plan=plan, callbacks=[StopAt(stop_at)])
     trainer.train(resume_from_checkpoint=resume)
     if save_to:
         trainer.save_model(save_to)

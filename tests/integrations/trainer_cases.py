@@ -70,6 +70,17 @@ def losses(log_history: list[dict]) -> list[float]:
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
+class StopAt(transformers.TrainerCallback):
+    """Ends training after `step` optimizer steps of a longer schedule (a run that was interrupted)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Stop once `step` steps are done (the checkpoint of that step is still written)."""
+        control.should_training_stop = state.global_step >= self.step
+
+
 class OwnLoss(transformers.Trainer):
     """A user's `compute_loss` override (HF's loss through the model's own forward, logits checked)."""
 
