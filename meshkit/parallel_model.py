@@ -163,11 +163,8 @@ class ParallelModel:
     # ------------------------------------------------------------ the step
     def count_valid_tokens(self, labels: torch.Tensor) -> int:
         """Global number of predicted tokens in `labels` (after the one-token shift), over all data ranks.
-
-        For gradient accumulation, sum this over the window's batches and pass it as
-        `loss_denominator` to each `forward_backward` call: the accumulated gradient is then exactly
-        the gradient of the single-device loss of the whole window.
-        """
+        Summed over an accumulation window and passed as `loss_denominator` to each `forward_backward`
+        call, it makes the accumulated gradient exactly that of the single-device loss of the window."""
         shifted = loss_lib.shift_labels(labels.to(self.device))
         return loss_lib.global_valid_tokens(shifted, self._dp.get_group())
 
@@ -253,6 +250,7 @@ class ParallelModel:
         with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
             share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+            del logits  # vocabulary-wide, alive through backward otherwise (found by the dry run)
             hf_aux = self._aux.hf_term(weight)
             if hf_aux is None:
                 share.backward()
@@ -368,11 +366,16 @@ class ParallelModel:
             update_expert_biases(part)
 
     # ------------------------------------------------------------ gradients
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm.
+
+        Returns the norm before clipping, identical on every rank, so a loop that skips a step on a
+        non-finite norm skips it on every rank. `error_if_nonfinite=True` raises ValueError on every
+        rank instead (as torch's option), before any gradient is scaled.
+        """
         self._check_window_closed("clip_grad_norm_")
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups(),
-                               counted=self._norm_params())
+                               counted=self._norm_params(), error_if_nonfinite=error_if_nonfinite)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""
@@ -426,9 +429,8 @@ class ParallelModel:
     def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB",
                            merge: bool = False) -> None:
         """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
-        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
-        Only rank 0 assembles the full state and writes; every rank calls it. A LoRA model writes its
-        adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template; rank 0
+        alone writes. A LoRA model writes its adapter as PEFT does, or with `merge=True` the merged model."""
         if merge or peft_model.is_peft_model(self.model):
             peft_export.save_hf(self, directory, merge=merge, tokenizer=tokenizer, max_shard_size=max_shard_size)
         else:

@@ -23,6 +23,7 @@ from meshkit.activation_checkpoint import AC_MODES
 from meshkit.context_parallel import rules as cp_rules
 from meshkit.context_parallel.sharding import required_multiple
 from meshkit.data_parallel.rules import memory_problems
+from meshkit.float8 import rules as float8_rules
 from meshkit.models import rules as model_rules
 from meshkit.pipeline import rules as pp_rules
 from meshkit.pipeline.auto import memory_limit_problem
@@ -81,10 +82,14 @@ class Plan:
     # costs F/B/W[/P2P] to build the schedule from (empty: measured on the first forward_backward).
     pp_memory_limit: int | None = None
     pp_costs: tuple[float, ...] = ()
-    # Memory (docs/data_parallel.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
+    # Memory (docs/data_parallel.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the
+    # host (or, with offload="nvme", in files under offload_dir), saved activations on the host, float8 linears.
     zero: int = 3
     grad_sync: str = "every_microbatch"
     offload: str = "none"
+    offload_dir: str | None = None
+    activation_offload: bool = False
+    float8: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -126,12 +131,13 @@ class Plan:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {tuple(DTYPES)}")
-        for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv"):
+        for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv", "activation_offload"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
         problems += memory_problems(self)
+        problems += float8_rules.float8_problems(self)
         _raise(problems)
 
     # ------------------------------------------------------------------ sizes
@@ -200,6 +206,7 @@ class Plan:
                 problems += model_rules.model_problems(plan, model_config)
                 problems += pp_rules.layer_problems(plan, model_config)
                 problems += cp_rules.head_problems(plan, model_config)
+                problems += float8_rules.config_problems(plan, model_config)
         if seq_len is not None:
             if not isinstance(seq_len, int) or seq_len < 2:
                 problems.append(f"seq_len={seq_len!r}: need at least 2 tokens to predict one")
@@ -380,6 +387,8 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return int(value)
         except ValueError:
             raise PlanError.of(f"{key}={value!r}: must be an int") from None
+    if kind.startswith("str") and "None" in kind and lowered in ("none", "null", ""):
+        return None
     if "bool" in kind:
         if lowered in ("none", "null", "auto") and "None" in kind:
             return None

@@ -57,8 +57,11 @@ class TrainConfig:
     load_step: int = 0  # resume from this step's checkpoint instead of the newest (0: the newest)
     overwrite: bool = False  # let a run delete checkpoints in save_dir it would otherwise refuse to mix with
     keep_last: int = 0  # keep only the newest K complete checkpoints (0: keep all)
+    on_save_error: str = "stop"  # a checkpoint that cannot be written (disk full): "stop" (exit 4) or "continue"
     async_save: bool = False  # write checkpoints in the background (DCP async_save); the step goes on
     on_nonfinite: str = "error"  # non-finite loss or grad norm: "error" stops naming the step, "skip" skips it
+    nonfinite_max_consecutive: int = 5  # on_nonfinite = "skip": more non-finite steps in a row stop the run (0: no limit)
+    nonfinite_max_total: int = 100  # on_nonfinite = "skip": more skipped steps in one launch stop the run (0: no limit)
     timeout_s: float = 600.0  # collective timeout of the process group
     heartbeat_s: float = 60.0  # a rank silent this long is named and the job ended (0: no heartbeat)
 
@@ -187,12 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, type=_TYPES[str(f.type)], help=text)
     meshkit.Plan.add_cli_args(parser)
-    check = parser.add_argument_group("check")
+    check = parser.add_argument_group("check and dry run")
     check.add_argument("--check", action="store_true",
                        help="validate config, plan, data and save dir on this one process (no torchrun), print the "
                             "estimate and exit: 0, or 2 listing every problem")
+    check.add_argument("--dry-run", action="store_true",
+                       help="run one step on a fake world of --world ranks (meshkit.dryrun) instead of training")
     check.add_argument("--world", type=int, default=0, metavar="N",
-                       help="with --check: the number of processes the run will launch (default: $WORLD_SIZE or 1)")
+                       help="with --check: the number of processes the run will launch (default: $WORLD_SIZE or 1); "
+                            "with --dry-run: the world size to simulate")
+    check.add_argument("--jobs", type=int, default=1, help="with --dry-run: ranks simulated at once")
     return parser
 
 

@@ -147,6 +147,42 @@ SLOW_CASES: dict[str, str] = {
         "test_trainer_state's resume (the same Trainer checkpoint path) and test_lora_checkpoint's LoRA resume",
     "tests/integrations/test_trainer_lora.py::test_dpo_trains_a_peft_model_against_its_disabled_adapter_as_trl_does":
         "test_trl's DPO CI case (the same DPO path); PEFT's adapter switch is PEFT's own forward",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-allgather]':
+        "CP (zigzag with tp) and the memory property test's CP kinds; the all-gather kind saves through the same hooks",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-keep-kv]':
+        'CP (zigzag): the kept K/V are more saved tensors of the same Function',
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-ring-full]':
+        "PP (full AC: the checkpoint's saved block inputs) and CP (ring attention's saved tensors)",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-ulysses]':
+        "CP and TP (selective AC); Ulysses' all-to-alls save nothing of their own",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-usp]':
+        'CP (zigzag) and PP (full AC)',
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[EP-selective]':
+        "EP (the MoE layer's saved tensors) and TP (selective)",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[HSDP]':
+        "PP (full AC under FSDP): the replicas' all-reduce runs outside the hooks",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[PP-interleaved]':
+        "PP (1f1b): each stage's blocks link their own chain",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[bf16]':
+        'TP (fp32); a bf16 storage is copied as bytes like any other',
+    'tests/data_parallel/test_activation_offload.py::test_estimator_counts_the_bytes_activation_offload_moves[selective]':
+        '[none] and [full]: selective moves what full does (the block inputs)',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[ep]':
+        'tp-zero2-window: expert units are FSDP units like any other in the store',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[pp]':
+        'tp-zero2-window and test_checkpoint_saves_nvme_state_and_resumes_under_other_plans',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[bf16]':
+        'tp-zero2-window (fp32): the master shards stay fp32 under bf16 compute',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[fsdp]':
+        'tp-zero2-window and the checkpoint test (dp_shard=2 with nvme)',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[fsdp-tensorwise]':
+        'tp-sp-fsdp (FSDP float8 all-gather with TP) and test_fsdp_all_gathers_tensorwise_weights_in_float8',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[tp-no-sp]':
+        'tp-sp-fsdp (the same float8 styles path with SP)',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[hsdp-zero2-selective]':
+        'tp-sp-fsdp and the random float8 plans (HSDP, zero=2, selective AC drawn there)',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[tp-activation-offload]':
+        'TP-styles in test_activation_offload (DTensor styles: DTensors copied through their shards) and tp-sp-fsdp',
     "tests/integrations/test_lora.py::test_lora_plans[tp2-no-sp]": "tp2-sp-local (the same local path with SP's collectives) and the property test's tp=2 plans",
     "tests/integrations/test_lora.py::test_lora_plans[hsdp]": "the property test's dp_replicate=2 plans; FSDP over the adapters in tp2-sp-local",
     "tests/integrations/test_lora.py::test_lora_plans[cp2-tp2-ulysses]": "the property test's cp=2 plans (ring, zigzag, ulysses, allgather drawn)",

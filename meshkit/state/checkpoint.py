@@ -74,7 +74,8 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
     renamed to `path` only after every rank's shards, DCP's metadata and the manifest (run id, step,
     plan, `global_batch`, a checksum per file) are on disk, so `path` never holds half a checkpoint.
     Refused (ValueError on every rank, nothing written) when `path` already holds files, or when any
-    parameter or optimizer state is non-finite. `extra` (e.g. a data-loader position) is any
+    parameter or optimizer state is non-finite. A write that fails on any rank (disk full) raises
+    `atomic.CheckpointWriteError` on every rank, its temporary directory removed. `extra` (e.g. a data-loader position) is any
     picklable object saved once, from rank 0, like `step`. `data`: a loader with `state_dict()` (a
     `meshkit.data.PackedLoader`), whose state is rank-independent by design and saved once too;
     `load(..., data=loader)` restores it. `adapter_only`: only the parameters that train (a LoRA model's
@@ -84,24 +85,31 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
     state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id, data=data,
                        adapter_only=adapter_only)
     final, partial = atomic.begin(path)
-    dcp.save(state, checkpoint_id=partial, planner=save_planner())
+    problem = None
+    try:
+        dcp.save(state, checkpoint_id=partial, planner=save_planner())
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - disk full, I/O: one error everywhere
+        problem = atomic.describe_failure(err, partial)
+    atomic.abandon_if_failed(partial, final, problem)
     atomic.publish_everywhere(partial, final, record(pm, step, run_id, global_batch))
     return final
 
 
 def state_dict(pm: ParallelModel, optimizer: Optimizer, *, scheduler: Any = None, step: int = 0,
                extra: Any = None, run_id: str | None = None, data: Any = None,
-               adapter_only: bool = False) -> dict[str, Any]:
+               adapter_only: bool = False, check_finite: bool = True) -> dict[str, Any]:
     """What `save` hands DCP, keyed by HF names; refused when any tensor in it is non-finite.
 
     The finiteness check is collective (one all-reduce): a NaN on one rank's shard must stop every
-    rank's save, or the others would wait in DCP for it.
+    rank's save, or the others would wait in DCP for it. `check_finite=False` skips it, for tensors
+    without values (a dry run planning a checkpoint on fake tensors, `meshkit.dryrun`).
     """
     state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm) if _kept(name, t, adapter_only)}
     for name, param in _optimizer_params(pm, optimizer):
         for key, value in optimizer.state.get(param, {}).items():
             state[f"{OPTIM_STATE}{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
-    raise_if_any(_non_finite(state, step))
+    if check_finite:
+        raise_if_any(_non_finite(state, step))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:  # identical on every rank; one copy, so DCP never has to pick between ranks
         state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in _hyper_groups(optimizer)]
