@@ -193,6 +193,12 @@ class Plan:
                 f"divide it (it never adds ranks of its own); fix: ep in "
                 f"{[d for d in range(1, plan.dp_shard * plan.cp + 1) if (plan.dp_shard * plan.cp) % d == 0]}"
             )
+        if plan.tp > 1 and plan.compile is True:
+            problems.append(
+                f"compile=True with tp={plan.tp}: on torch 2.13 a compiled block under tensor parallel hands back "
+                "plain-tensor gradients for its DTensor inputs and backward fails inside DTensor's redistribute; "
+                "fix: compile=False, or tp=1 (compile runs under FSDP, HSDP and pipeline parallel)"
+            )
         if plan.param_dtype == "float32" and plan.reduce_dtype != "float32":
             problems.append(
                 f"reduce_dtype={plan.reduce_dtype!r} with param_dtype='float32': reducing in lower precision "
