@@ -34,7 +34,7 @@ from meshkit.data_parallel import nvme
 from meshkit.data_parallel.fsdp import apply_data_parallel, needs_fsdp
 from meshkit.expert_parallel import MoE, apply_expert_parallel
 from meshkit.float8 import convert as float8
-from meshkit.inference.forward import refuse_hf_forward
+from meshkit.inference.hf_forward import install_hf_forward
 from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
@@ -72,14 +72,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     use_fsdp = apply_data_parallel(stages, _held_moes(split), plan, mesh, expert_mesh, tied=split.parts.tied)
     _apply_nvme_offload(stages, plan, mesh)
     _apply_float8_scales(stages, plan, use_fsdp)
-    for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
-        refuse_hf_forward(handle)
     align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
-    return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
-                                                    reduce_tp_grads=plan.tp > 1 and not use_fsdp,
-                                                    tp_summed_params=_tp_summed_params(split, plan),
-                                                    tied_aliases=split.tied_aliases,
-                                                    tied_group=split.tied_group, mirror_group=split.mirror_group))
+    pm = ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
+                                                  reduce_tp_grads=plan.tp > 1 and not use_fsdp,
+                                                  tp_summed_params=_tp_summed_params(split, plan),
+                                                  tied_aliases=split.tied_aliases, tied_group=split.tied_group,
+                                                  mirror_group=split.mirror_group))
+    for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
+        install_hf_forward(handle, pm)  # model(...) and model.generate run through meshkit from here on
+    return pm
 
 
 def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
