@@ -195,12 +195,16 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
                 m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges - free), bsh, t, None)
         if plan.sequence_parallel:
-            # replicated norm weights see a sequence shard: their gradients are reduced in the compute
-            # dtype, by FSDP2 as it accumulates each microbatch's unsharded gradient, or by meshkit once per
-            # call without FSDP (found by the dry run: under bf16 and pp they were counted fp32, per call);
-            # a LoRA model's norms are frozen: none
+            # replicated norm weights see a sequence shard: their Partial gradients are summed over tp where
+            # the gradient is: per call in the compute dtype, or in the reduce dtype where FSDP keeps the
+            # unsharded gradient in it (a pipeline call's microbatches, ZeRO-1's full gradients, a window
+            # syncing on its last call, which sums once); measured by the dry run; LoRA's frozen norms: none
+            calls = workload.calls(plan)
+            window = fsdp_applied and plan.grad_sync == "last_microbatch" and plan.zero != 1 and calls > 1
+            in_reduce = fsdp_applied and (plan.pp > 1 or plan.zero == 1 or window)
             add("tp", "all_reduce", "SP norm-weight gradients", 0 if state.frozen_norms else
-                (m if fsdp_applied else workload.calls(plan)) * (2 * blocks + int(last_stage)), h * act, t, None)
+                (1 if window else calls) * (2 * blocks + int(last_stage)),
+                h * (dtype_bytes(plan.reduce_dtype) if in_reduce else act), t, None)
         else:
             # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
