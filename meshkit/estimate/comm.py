@@ -80,6 +80,12 @@ class FsdpUnit:
     group: int      # ranks its parameters are sharded over
     axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
     regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
+    kept: int = 0   # of `count`, the units never freed after forward (each stage's last block)
+
+    @property
+    def regathered(self) -> int:
+        """Units of this kind gathered a second time, for backward, per forward_backward call."""
+        return self.count - self.kept if self.regather else 0
 
 
 def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
@@ -88,8 +94,10 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     A tied weight lives in FSDP's root unit with the final norm (FSDP2 never reshards the root), so
     without pipelining it counts as part of the head unit. The embedding unit is gathered first and
     never again (its backward reads only the token ids); the head unit is the last and is never
-    resharded after forward. Under a V the first and last stage share pp rank 0: a tied embedding is
-    two units there (the embedding, and the head's copy, which its backward does read).
+    resharded after forward, nor is each stage's last block (`data_parallel.fsdp`: backward needs it
+    next), counted against the kind of the model's last block. Under a V the first and last stage
+    share pp rank 0: a tied embedding is two units there (the embedding, and the head's copy, which
+    its backward does read).
     """
     units, fsdp, reshard = state.unit_elements, plan.dp_shard * plan.cp, plan.fsdp_reshard
     tied = getattr(config, "tie_word_embeddings", False)
@@ -99,7 +107,10 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
     # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
     mixed = len(set(moe.block_kinds(config))) > 1
-    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard)
+    last_kind = moe.block_kinds(config)[-1] if state.block_units else None
+    stages = plan.pp_stages_per_rank if plan.pp > 1 else 1
+    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard,
+                       kept=min(stages, b.count) if b.kind == last_kind else 0)
               for b in state.block_units]
     out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
     if copies == 2:
@@ -206,8 +217,8 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         for u in dense if fsdp > 1 else []:
             add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters (fwd)", gathers * u.count,
                 u.elements * act, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
-            if u.regather:
-                add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
+            if u.regathered:
+                add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.regathered,
                     u.elements * act, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
                 u.elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)

@@ -57,7 +57,7 @@ def offload_cost(config: Any, plan: Plan, workload: Workload, state: ModelState,
     calls = workload.calls(plan)
     gathers = calls if plan.zero == 3 else 1  # ZeRO-1/2 keep the gathered units through the window
     syncs = calls if plan.grad_sync == "every_microbatch" else 1
-    h2d = sum(u.count * gathers * (1 + u.regather) * (u.elements // u.group) * MASTER_BYTES
+    h2d = sum((u.count + u.regathered) * gathers * (u.elements // u.group) * MASTER_BYTES
               for u in fsdp_units(config, plan, state))
     d2h = syncs * state.params * MASTER_BYTES
     host_step = ADAMW_HOST_BYTES * state.params
