@@ -28,10 +28,12 @@ BENCHMARKS = [
     ("communication", ["--out", str(RESULTS / "communication.md")], False),
     ("cpu_time", ["--profile", "--out", str(RESULTS)], True),
     ("context_parallel", ["--out", str(RESULTS / "context_parallel.md")], True),
+    ("attention_scores", ["--out", str(RESULTS / "attention_scores.md")], True),
     ("pipeline", ["--out", str(RESULTS)], True),
     ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),
     ("data", ["--out", str(RESULTS / "data.md")], True),
     ("memory", ["--out", str(RESULTS)], False),
+    ("lora", ["--out", str(RESULTS / "lora.md")], True),
     ("charts", ["--out", str(RESULTS)], False),  # after context_parallel: plots its measured memory table
     ("gpu_mfu", [], True),  # prints "no CUDA device: skipped" without a GPU
 ]

@@ -28,12 +28,13 @@ from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.data_parallel.fsdp import apply_data_parallel
 from meshkit.expert_parallel import MoE, apply_expert_parallel
 from meshkit.inference.forward import refuse_hf_forward
+from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
 from meshkit.models.stage import build_stages
 from meshkit.parallel_model import ParallelModel, Sharded
 from meshkit.pipeline import split as pipeline_split
-from meshkit.pipeline.schedules import stage_placement
+from meshkit.pipeline.schedules import stage_chunks, stage_placement
 from meshkit.plan import DTYPES, Plan, PlanError
 from meshkit.tensor_parallel.path import runs_on_local_shards
 from meshkit.tensor_parallel.styles import apply_tensor_parallel
@@ -42,27 +43,41 @@ from meshkit.tensor_parallel.styles import apply_tensor_parallel
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> ParallelModel:
     """Shard and wrap `model` in place according to `plan`; return the handle that trains it.
 
-    `model` is an HF Llama-family `*ForCausalLM`, on CPU, on its GPU, or on the meta device (then call
+    `model` is an HF Llama-family `*ForCausalLM`, or a PEFT `PeftModel` wrapping one with a LoRA adapter
+    (its frozen weights stay frozen, each adapter is sharded like its base layer: `tensor_parallel.lora`,
+    names stay PEFT's), on CPU, on its GPU, or on the meta device (then call
     `ParallelModel.init_weights` or `load_full_state_dict`: each rank materialises only its shards).
     Every invalid input raises ValueError on every rank before the first collective.
     """
     plan, mesh = _validate(model, plan, mesh)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     llama.use_meshkit_attention(model)
     split = _apply_pipeline_split(model, plan, mesh)
     _apply_tensor_parallel(split, plan, mesh)
     expert_mesh = _apply_expert_parallel(split, plan, mesh)
+    _keep_frozen(model, frozen)
     context_parallel = _context_parallel_attention(plan, mesh)
     blocks = _apply_activation_checkpointing(split, plan)
     _apply_compile(blocks, split.held_blocks, plan)
-    stages = build_stages(split.parts, blocks, split.ranges, split.stage_ids, context_parallel)
+    stages = build_stages(split.parts, blocks, split.ranges, split.stage_ids, context_parallel, split.chunks)
     use_fsdp = apply_data_parallel(stages, _held_moes(split), plan, mesh, expert_mesh, tied=split.parts.tied)
-    refuse_hf_forward(model)
+    for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
+        refuse_hf_forward(handle)
     align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
     return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
                                                     reduce_tp_grads=plan.tp > 1 and not use_fsdp,
                                                     tp_summed_params=_tp_summed_params(split, plan),
                                                     tied_aliases=split.tied_aliases,
-                                                    tied_group=split.tied_group))
+                                                    tied_group=split.tied_group, mirror_group=split.mirror_group))
+
+
+def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
+    """Freeze again what the user froze: torch's SequenceParallel makes fresh parameters that
+    require grad, which would train a LoRA model's frozen norms (NeMo AutoModel #547 trained every
+    parameter that way). Before FSDP, which keeps each parameter's flag."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in frozen and param.requires_grad:
+            param.requires_grad_(False)
 
 
 def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Plan, DeviceMesh]:
@@ -75,8 +90,13 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     if not isinstance(plan, Plan):
         raise TypeError(f"meshkit.parallelize: plan must be a meshkit.Plan, got {type(plan).__name__}")
     llama.check_supported(model)
-    if moe_models.is_moe_model(model):
-        moe_models.convert_moe_blocks(model)
+    if peft_model.is_peft_model(model):  # before MoE conversion, which would drop an adapter on an MoE block
+        peft_problems = peft_model.adapter_problems(model, plan.tp)
+        if peft_problems:
+            raise PlanError.of(*peft_problems)
+    lm = llama.causal_lm(model)
+    if moe_models.is_moe_model(lm):
+        moe_models.convert_moe_blocks(lm)
     if mesh is None:
         mesh_lib.require_launcher(plan)
     world = mesh.size() if mesh is not None else mesh_lib.world_size_from_env()
@@ -85,6 +105,7 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
     problems = moe_models.plan_problems(llama.moe_modules(parts), model.config, pp=plan.pp, tp=plan.tp,
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
     problems += roles.structure_problems(parts.blocks, model.config, plan.tp)
+    problems += peft_model.tp_problems(model, plan.tp) if peft_model.is_peft_model(model) else []
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:
@@ -100,33 +121,41 @@ class _PipelineSplit(NamedTuple):
     held_blocks: list[int]  # the decoder blocks of those stages
     tied_aliases: dict[str, str]
     tied_group: dist.ProcessGroup | None
+    chunks: tuple[int, ...]  # the chunk of layers every stage runs (DualPipe: each chunk twice)
+    mirror_group: dist.ProcessGroup | None  # DualPipe: the pp pair (r, pp-1-r) holding the same chunks
 
 
 def _apply_pipeline_split(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> _PipelineSplit:
-    """Cut the model into stages; other ranks' layers go to meta, this rank's to its device.
+    """Cut the model into chunks of layers, one per stage (DualPipe: each chunk runs as two stages, on
+    two ranks); other ranks' layers go to meta, this rank's to its device.
 
     A tied embedding under pipelining is split first: the last stage gets its own copy as the LM
     head, answering to the embedding's name, and the first/last-stage pair sums the two gradients.
     """
     parts = llama.parts(model)
-    num_stages = plan.pp * plan.pp_stages_per_rank if plan.pp > 1 else 1
-    ranges = pipeline_split.split_layers(len(parts.blocks), num_stages, plan.pp_split or None)
-    placement = stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if plan.pp > 1 else (0,)
+    pipelined = plan.pp > 1
+    chunks = stage_chunks(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if pipelined else (0,)
+    chunk_ranges = pipeline_split.split_layers(len(parts.blocks), plan.pp_chunks, plan.pp_split or None)
+    placement = stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank) if pipelined else (0,)
     stage_ids = pipeline_split.stages_of_rank(mesh["pp"].get_local_rank(), placement)
+    chunk_ids = sorted({chunks[s] for s in stage_ids})
     aliases, group = {}, None
-    if plan.pp > 1 and parts.tied:  # embedding and head in different stage modules: each holds a copy
-        aliases = llama.untie_for_pipeline(model, keep_copy=num_stages - 1 in stage_ids)
-        # Under a V placement both copies live on rank 0 and their gradients are summed there, locally.
+    if pipelined and parts.tied:  # embedding and head in different stage modules: each holds a copy
+        aliases = llama.untie_for_pipeline(model, keep_copy=plan.pp_chunks - 1 in chunk_ids)
+        # Under a V placement (and DualPipe's) the first and last stage share a rank: their copies'
+        # gradients are summed there, locally.
         group = mesh_lib.first_last_stage_group(mesh) if placement[0] != placement[-1] else None
         parts = llama.parts(model)
-    for module in pipeline_split.modules_not_held(parts, ranges, stage_ids):
+    for module in pipeline_split.modules_not_held(parts, chunk_ranges, chunk_ids):
         module.to("meta")  # another pipeline rank's layers: keep the names, free the memory
     device = mesh_lib.mesh_device(mesh)
     if not all(p.is_meta for p in model.parameters()) and device.type != "cpu":
-        for module in pipeline_split.modules_held(parts, ranges, stage_ids):
+        for module in pipeline_split.modules_held(parts, chunk_ranges, chunk_ids):
             module.to(device)
-    held = sorted({i for s in stage_ids for i in ranges[s]})
-    return _PipelineSplit(parts, ranges, stage_ids, held, aliases, group)
+    held = sorted({i for c in chunk_ids for i in chunk_ranges[c]})
+    mirror = mesh_lib.mirror_pair_group(mesh) if pipelined and max(chunks) + 1 < len(chunks) else None
+    return _PipelineSplit(parts, [chunk_ranges[c] for c in chunks], stage_ids, held, aliases, group, chunks,
+                          mirror)
 
 
 def _held_moes(split: _PipelineSplit) -> list[MoE]:

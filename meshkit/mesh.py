@@ -234,3 +234,19 @@ def first_last_stage_group(mesh: DeviceMesh):
     pairs = torch.stack([grid[0].flatten(), grid[-1].flatten()], dim=1).tolist()
     group, _ = dist.new_subgroups_by_enumeration(pairs)
     return group
+
+
+def mirror_pair_group(mesh: DeviceMesh):
+    """The group of this rank and its pipeline mirror (pp rank r with pp-1-r, equal coordinates on every
+    other axis): under DualPipe the two hold copies of the same two chunks of layers.
+
+    Collective: every rank of the mesh must call it (pp = 2 reuses the pp group).
+    """
+    pp = mesh["pp"].size()
+    if pp == 2:
+        return mesh["pp"].get_group()
+    grid = mesh.mesh
+    pairs = [pair for r in range(pp // 2)
+             for pair in torch.stack([grid[r].flatten(), grid[pp - 1 - r].flatten()], dim=1).tolist()]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group

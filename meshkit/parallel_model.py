@@ -24,16 +24,23 @@ from meshkit.data_parallel.fsdp import reshard_fsdp
 from meshkit.data_parallel.fused import FusedOptimizer
 from meshkit.expert_parallel import update_expert_biases
 from meshkit.inference import forward, generate
+from meshkit.integrations.peft import export as peft_export
+from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
+from meshkit.pipeline.costs import PlanSchedules
 from meshkit.pipeline.p2p import TensorMeta
 from meshkit.pipeline.runtime import run_schedule
-from meshkit.pipeline.schedules import build_schedule, forward_only
 from meshkit.plan import DTYPES, Plan
 from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import copies_summed_per_call, summed_per_call
+from meshkit.step.grad_sync import (
+    copies_summed_per_call,
+    mirror_summed_per_call,
+    summed_in_place,
+    summed_per_call,
+)
 from meshkit.step.router_aux import AuxLosses
 from meshkit.tensor_parallel.styles import dtensor_params, loss_context, place_grads_like_params
 
@@ -48,6 +55,7 @@ class Sharded:
     tp_summed_params: tuple[nn.Parameter, ...] = ()  # MoE weights every TP rank holds whole: summed over tp
     tied_aliases: Mapping[str, str] = field(default_factory=dict)  # pp > 1: {LM head copy: embedding}
     tied_group: dist.ProcessGroup | None = None  # the first/last-stage pair holding the two copies (None: one rank)
+    mirror_group: dist.ProcessGroup | None = None  # DualPipe: pp ranks r and pp-1-r, holding the same layers
 
 
 class ParallelModel:
@@ -62,9 +70,7 @@ class ParallelModel:
         self.device = sharded.device
         self._stages = stages
         self._pp = axis(mesh, "pp")
-        self._schedule = (build_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_virtual_stages)
-                          if plan.pp > 1 else None)
-        self._eval_schedule = forward_only(self._schedule) if self._schedule is not None else None
+        self._schedules = PlanSchedules(plan) if plan.pp > 1 else None  # zb_auto may rebuild after measuring
         self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
@@ -83,6 +89,12 @@ class ParallelModel:
         self._tied_params = [named[n] for n in tied_names if id(named[n]) in held]
         self._tied_group = sharded.tied_group
         self._not_in_norm = {id(named[n]) for n in self._aliases if id(named[n]) in held}
+        # DualPipe: the mirror pp rank holds the same layers; their gradients are summed over the pair (one
+        # all-reduce, parameters in name order) and the norm counts the down pipeline's copy only.
+        self._mirror_group, self._mirror_params = sharded.mirror_group, []
+        if self._mirror_group is not None:
+            self._mirror_params = [p for _, p in sorted(model.named_parameters()) if id(p) in held and p.requires_grad]
+            self._not_in_norm |= {id(p) for s, part in stages.items() if s >= plan.pp for p in part.parameters()}
         # Router auxiliary terms (meshkit MoE coefficients, HF's output_router_logits): weights and values.
         self._aux = AuxLosses(model, self.model_parts, mesh, plan.microbatches)
 
@@ -202,12 +214,13 @@ class ParallelModel:
         weight = batch.valid_tokens / denominator  # this call's share of the window (1 without accumulation)
         self._aux.begin(weight)
         hf_aux = None
-        with summed_per_call(self._tp_summed_params, self._tp_group), \
+        with mirror_summed_per_call(self._mirror_params, self._mirror_group), \
+                summed_per_call(self._tp_summed_params, self._tp_group), \
                 summed_per_call(self._tied_params, self._tied_group), \
                 copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
                 loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            if self._schedule is not None:
-                share = self._pipeline_step(self._schedule, batch, denominator, last_microbatch)
+            if self._schedules is not None:
+                share = self._pipeline_step(self._schedules.train, batch, denominator, last_microbatch)
             else:
                 share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
             if self._reduce_tp_grads:
@@ -248,8 +261,8 @@ class ParallelModel:
         self._aux.begin(1.0, measure=True)
         hf_aux = None
         with loss_context(self.plan.tp > 1, self.plan.loss_parallel):
-            if self._eval_schedule is not None:
-                share = self._pipeline_step(self._eval_schedule, batch, denominator)
+            if self._schedules is not None:
+                share = self._pipeline_step(self._schedules.evaluate, batch, denominator)
             else:
                 (stage,) = self.model_parts
                 logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
@@ -317,11 +330,14 @@ class ParallelModel:
         shapes = TensorMeta((rows_total // m, seq // sp, self.model.config.hidden_size), dtype)
         kwargs = [{"position_ids": per_row(batch.position_ids, r), "doc_ids": per_row(batch.doc_ids, r)}
                   for r in rows]
+        trace = self._schedules.trace_for(schedule)
         losses = run_schedule(schedule, self._stages, pp_group=self._pp.get_group(),
                               microbatch_inputs=[batch.input_ids[r] for r in rows], loss_fn=loss_fn,
                               shapes=shapes, stage_kwargs=kwargs, device=self.device,
                               reduce_grads=zero_stages.syncs_now(self.plan.grad_sync, last_microbatch),
-                              reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch))
+                              reshard=zero_stages.reshards_now(self.plan.zero, last_microbatch), trace=trace)
+        if trace is not None:  # zb_auto's profiling run: every rank agrees on the measured costs, then rebuilds
+            self._schedules.measured(trace, self._pp.get_group(), shapes, self.device)
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(t.full_tensor() if isinstance(t, DTensor) else t for t in losses)
@@ -335,7 +351,13 @@ class ParallelModel:
                        device=self.device, check=self.check_inputs)
 
     def update_expert_biases(self) -> None:
-        """DeepSeek-V3 router-bias step of every MoE layer (call after `optimizer.step()`; no-op if unused)."""
+        """DeepSeek-V3 router-bias step of every MoE layer (call after `optimizer.step()`; no-op if unused).
+
+        Under DualPipe each copy of a router counted half the microbatches: the pair sums the counts first,
+        so both copies take the same step."""
+        if self._mirror_group is not None:
+            counts = [b for n, b in sorted(self.model.named_buffers()) if n.endswith(".load_counts_E") and not b.is_meta]
+            summed_in_place(counts, self._mirror_group)
         for part in self.model_parts:
             update_expert_biases(part)
 
@@ -390,14 +412,21 @@ class ParallelModel:
         return checkpoint.load(path, self, optimizer, **kwargs)
 
     def load_hf_checkpoint(self, directory, strict: bool = True) -> None:
-        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds."""
-        hf_checkpoint.load_hf_checkpoint(self, directory, strict=strict)
+        """Fill this rank's shards from a `save_pretrained` directory, reading only the slices it holds.
+        A LoRA model takes its base model's directory or a PEFT adapter directory (`peft.export`)."""
+        lora = peft_model.is_peft_model(self.model)
+        (peft_export.load_hf if lora else hf_checkpoint.load_hf_checkpoint)(self, directory, strict=strict)
 
-    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+    def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB",
+                           merge: bool = False) -> None:
         """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
         given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
-        Only rank 0 assembles the full state and writes; every rank calls it."""
-        hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        Only rank 0 assembles the full state and writes; every rank calls it. A LoRA model writes its
+        adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        if merge or peft_model.is_peft_model(self.model):
+            peft_export.save_hf(self, directory, merge=merge, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        else:
+            hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.

@@ -25,8 +25,9 @@ from meshkit.context_parallel.sharding import required_multiple
 from meshkit.data_parallel.rules import memory_problems
 from meshkit.models import rules as model_rules
 from meshkit.pipeline import rules as pp_rules
+from meshkit.pipeline.auto import memory_limit_problem
 from meshkit.pipeline.schedules import SCHEDULES as PP_SCHEDULES
-from meshkit.pipeline.schedules import stages_per_rank
+from meshkit.pipeline.schedules import stage_chunks, stages_per_rank
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,6 +77,10 @@ class Plan:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_split: tuple[int, ...] = ()
+    # zb_auto only: the most microbatches' activations a rank may hold at once (None: pp), and the per-action
+    # costs F/B/W[/P2P] to build the schedule from (empty: measured on the first forward_backward).
+    pp_memory_limit: int | None = None
+    pp_costs: tuple[float, ...] = ()
     # Memory (docs/data_parallel.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
     zero: int = 3
     grad_sync: str = "every_microbatch"
@@ -111,6 +116,13 @@ class Plan:
         if not isinstance(self.pp_split, tuple) or not all(isinstance(b, int) for b in self.pp_split):
             problems.append(f"pp_split={self.pp_split!r}: must be a list of first-layer indices, e.g. [4, 8, 12] "
                             f"(or \"4/8/12\")")
+        if isinstance(self.pp_costs, str | list):  # "1/2/1/0.1", as strings and flags write it
+            object.__setattr__(self, "pp_costs", _parse_value(type(self), "pp_costs", self.pp_costs)
+                               if isinstance(self.pp_costs, str) else tuple(self.pp_costs))
+        problems += _costs_problems(self.pp_costs)
+        limit_problem = memory_limit_problem(self.pp_memory_limit)
+        if limit_problem:
+            problems.append(limit_problem)
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {tuple(DTYPES)}")
@@ -208,8 +220,16 @@ class Plan:
     @property
     def pp_stages_per_rank(self) -> int:
         """Stages each pipeline rank holds: `pp_virtual_stages`, but always two under the V schedules
-        (zb_v, dualpipe_v), whose placement is the V itself."""
+        (zb_v, dualpipe_v), whose placement is the V itself, and under DualPipe (one per direction)."""
         return stages_per_rank(self.pp_schedule, self.pp_virtual_stages)
+
+    @property
+    def pp_chunks(self) -> int:
+        """How many pieces the layers are cut into (`pp_split` names the first layer of all but the first):
+        one per stage, except under DualPipe, whose two directions run the same pp chunks."""
+        if self.pp == 1:
+            return 1
+        return max(stage_chunks(self.pp_schedule, self.pp, self.pp_virtual_stages)) + 1
 
     @property
     def fsdp_reshard(self) -> bool:
@@ -296,9 +316,9 @@ class Plan:
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value == f.default or (f.name == "pp_split" and not value):
+            if value == f.default or (f.name in ("pp_split", "pp_costs") and not value):
                 continue
-            if f.name == "pp_split":
+            if f.name in ("pp_split", "pp_costs"):
                 value = "/".join(str(v) for v in value)
             elif value is None:
                 value = "none"
@@ -345,6 +365,11 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return tuple(int(x) for x in value.replace("/", " ").split())
         except ValueError:
             raise PlanError.of(f"pp_split={value!r}: write first-layer indices as 4/8/12") from None
+    if key == "pp_costs":
+        try:
+            return tuple(float(x) for x in value.replace("/", " ").split())
+        except ValueError:
+            raise PlanError.of(f"pp_costs={value!r}: write the times of F, B, W (and P2P) as 1/2/1/0.1") from None
     if any(sep in value for sep in ("=", " ", ";")):  # "tp=2 dp_shard=2": options run together
         raise PlanError.of(f"{key}={value!r}: one option per key=value, separated by commas; fix: write "
                            f"e.g. \"tp=2,dp_shard=-1\"")
@@ -364,6 +389,15 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return False
         raise PlanError.of(f"{key}={value!r}: must be true or false")
     return value
+
+
+def _costs_problems(costs: Any) -> list[str]:
+    """`pp_costs` must be the times of F, B and W, optionally P2P: positive numbers (P2P may be 0)."""
+    numbers = isinstance(costs, tuple) and all(isinstance(c, int | float) and not isinstance(c, bool) for c in costs)
+    if numbers and (not costs or (len(costs) in (3, 4) and all(c > 0 for c in costs[:3]) and min(costs) >= 0)):
+        return []
+    return [f"pp_costs={costs!r}: must be the times of F, B and W and optionally the P2P latency, in any one unit "
+            f"(F, B, W > 0, P2P >= 0), e.g. \"1/2/1/0.1\"; or empty to measure them on the first step"]
 
 
 def _raise(problems: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""The recipe's configuration: a TOML preset ([model], [plan], [train], [data]) with command-line
+"""The recipe's configuration: a TOML preset ([model], [plan], [train], [data], [peft]) with command-line
 flags on top, and the Hugging Face model config it describes. `train_llama.py` runs it."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import meshkit
+from meshkit.integrations.peft.model import with_lora
 
 # ----------------------------------------------------------------------------------------- config
 
@@ -82,6 +83,34 @@ class DataConfig:
     chain_seed: int = 1234  # draws the transition table (shared by all ranks)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEFT_METHODS = ("none", "lora")
+
+
+@dataclass
+class PeftConfig:
+    """The [peft] table: train a PEFT adapter with the model's weights frozen (docs/lora.md), or
+    `method = "none"` (the default): train every weight. `--export-hf` then writes the adapter as
+    `PeftModel.save_pretrained` does, or with `merge = true` (`--merge`) the merged full model."""
+
+    method: str = "none"  # "lora" (peft.LoraConfig); "none": full fine-tuning
+    r: int = 16  # LoRA rank
+    alpha: float = 32.0  # LoRA scaling is alpha / r
+    dropout: float = 0.0  # LoRA dropout on the adapter's input (refused under tp > 1)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    merge: bool = False  # --export-hf writes the merged model (merge_and_unload) instead of the adapter
+
+    def __post_init__(self) -> None:
+        if self.method not in PEFT_METHODS:
+            raise ValueError(f"[peft] method={self.method!r}: meshkit trains LoRA adapters (PEFT's other methods "
+                             f"change the inputs or rescale activations); fix: method in {PEFT_METHODS}")
+        if self.merge and self.method == "none":
+            raise ValueError("[peft] merge=true without an adapter: there is nothing to merge; fix: method = "
+                             "\"lora\", or merge = false")
+        if isinstance(self.target_modules, str):
+            self.target_modules = [t for t in self.target_modules.split(",") if t]
+
+
 @dataclass
 class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +118,24 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     source: str = ""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+
+    def build_model(self, model_config: Any) -> Any:
+        """The HF model of `model_config` (build it under `torch.device("meta")`), as PEFT wraps it when
+        [peft] asks for an adapter: a target that matches nothing is PEFT's ValueError, the rest of what
+        LoRA rules out is `parallelize`'s, each before any collective."""
+        model = AutoModelForCausalLM.from_config(model_config)
+        if self.peft.method == "none":
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=self.peft.r, lora_alpha=self.peft.alpha, lora_dropout=self.peft.dropout,
+                                                target_modules=self.peft.target_modules))
+
+    def estimate_config(self, model_config: Any) -> Any:
+        """The config `meshkit.estimate` reads: with the adapter when [peft] trains one."""
+        return model_config if self.peft.method == "none" else with_lora(model_config, self.peft.r,
+                                                                           self.peft.target_modules)
 
 
 def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
@@ -105,15 +152,16 @@ def load_config(path: str | None) -> RunConfig:
         return RunConfig()
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    unknown = sorted(set(data) - {"model", "plan", "train", "data"})
+    unknown = sorted(set(data) - {"model", "plan", "train", "data", "peft"})
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {unknown}; expected [model], [plan], [train], [data]")
+        raise ValueError(f"{path}: unknown table(s) {unknown}; expected [model], [plan], [train], [data], [peft]")
     return RunConfig(
         model=dict(data.get("model", {})),
         plan=meshkit.Plan.from_toml(data.get("plan", {})),
         train=_fill(TrainConfig, data.get("train", {}), "train"),
         data=_fill(DataConfig, data.get("data", {}), "data"),
         source=str(path),
+        peft=_fill(PeftConfig, data.get("peft", {}), "peft"),
     )
 
 
@@ -124,10 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", help="local HF checkpoint or config directory (overrides [model] path)")
     parser.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one HF config field, e.g. --model-set num_hidden_layers=4 (repeatable)")
-    for cls in (TrainConfig, DataConfig):
+    for cls in (TrainConfig, DataConfig, PeftConfig):
         group = parser.add_argument_group(f"[{cls.__name__[:-6].lower()}]")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            if cls is PeftConfig and f.name != "merge":  # --peft-r 16, --peft-method lora; and --merge
+                flag = "--peft-" + f.name.replace("_", "-")
             # SUPPRESS: a flag not given leaves the preset's value alone, and --help shows the built-in
             # default (what applies when neither the preset nor the flag sets it), not "default: None".
             text = f"built-in default {f.default!r}; a --config preset may set another"
@@ -146,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TYPES = {"int": int, "float": float, "str": str,
+_TYPES = {"int": int, "float": float, "str": str, "list[str]": str,  # a list flag: comma-separated
           "dict[str, float]": lambda text: _toml_value(text)}  # an inline TOML table: '{"a" = 0.7, "b" = 0.3}'
 
 
@@ -172,7 +222,8 @@ def apply_cli(config: RunConfig, args: argparse.Namespace) -> RunConfig:
         key, value = item.split("=", 1)
         model[key.strip()] = _toml_value(value.strip())
     return RunConfig(model=model, plan=meshkit.Plan.from_cli_args(args, base=config.plan),
-                     train=overlay(config.train), data=overlay(config.data), source=config.source)
+                     train=overlay(config.train), data=overlay(config.data), source=config.source,
+                     peft=overlay(config.peft))
 
 
 # ------------------------------------------------------------------------------------------ model

@@ -41,7 +41,6 @@ from train_config import (  # the recipe's own module beside this script (the sc
     build_parser,
     load_config,
 )
-from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import meshkit
@@ -169,7 +168,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     preflight.check_filesystem(run, model_config)
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = run.build_model(model_config)  # a PEFT model when [peft] asks for an adapter
     n_nonembedding = metrics.count_nonembedding_params(model)
     pm = meshkit.parallelize(model, run.plan)
     ckpt = Checkpointing(cfg, pm, global_batch=pm.dp_size * cfg.local_batch * cfg.grad_accum)
@@ -185,7 +184,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         raise ValueError(f"[train] seq_len={cfg.seq_len}: {seq_problem}")
     record = run_record(plan, pm.dp_size, cfg.local_batch, cfg.grad_accum, cfg.seq_len)  # goes into checkpoints
 
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    optimizer = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = lr_schedule(optimizer, cfg)
     data = data_setup.build(run.data, cfg, pm, ckpt_dir, lambda: MarkovTokens(
@@ -215,7 +214,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
               f"peak {peak / 1e12 if peak else float('nan'):.3g} TFLOP/s/device | TensorBoard: {log_dir}", flush=True)
         for note in data.notes:
             print(f"meshkit: {note}", flush=True)
-    predicted = preflight.print_prediction(model_config, plan, world, cfg) if rank == 0 else None  # rank 0 logs
+    predicted = preflight.print_prediction(run.estimate_config(model_config), plan, world, cfg) if rank == 0 else None  # rank 0 logs
     if predicted is not None:
         logger.log(first_step, {"predicted_peak_gib": predicted / 2**30})
 
@@ -298,7 +297,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         if data.tokenizer is None and rank == 0:
             print(f"meshkit: {cfg.export_hf}: exported without a tokenizer (neither the data nor the model directory "
                   "holds one)", flush=True)
-        pm.save_hf_checkpoint(cfg.export_hf, tokenizer=data.tokenizer)
+        pm.save_hf_checkpoint(cfg.export_hf, tokenizer=data.tokenizer, merge=run.peft.merge)  # LoRA: adapter
     logger.close()
     if not losses:  # resumed at or past the last step: nothing left to train
         if rank == 0:

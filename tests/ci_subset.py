@@ -10,6 +10,30 @@ cannot silently return to CI or leave it.
 from __future__ import annotations
 
 SLOW_CASES: dict[str, str] = {
+    # DualPipe and zb_auto (issue #35): CI keeps pp=2 dualpipe with dp_shard and tied embeddings, pp=4 dualpipe
+    # with full AC, and zb_auto's profiling run under dp_shard; the schedules as data are tested exhaustively.
+    "tests/pipeline/test_pipeline_dualpipe.py::test_runtime_copies_sum_to_the_single_process_gradient[4-6]":
+        "[2-4] (the same runtime path) and the pp=4 case of test_dualpipe_matches_one_device",
+    "tests/pipeline/test_pipeline_dualpipe.py::test_dualpipe_matches_one_device"
+    "[pp=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4-4-model2]":
+        "DualPipe's only TP-specific piece is the W split, which test_zero_bubble_schedules_through_parallelize "
+        "covers with dualpipe_v,tp=2; the mirror sum in [pp=2,dp_shard=2...]",
+    "tests/pipeline/test_pipeline_dualpipe.py::test_dualpipe_matches_one_device"
+    "[pp=2,cp=2,pp_schedule=dualpipe,pp_microbatches=2,activation_checkpointing=selective-4-model3]":
+        "dualpipe_v with cp=2 and selective AC in test_zero_bubble_schedules_through_parallelize",
+    "tests/pipeline/test_pipeline_dualpipe.py::test_dualpipe_matches_one_device"
+    "[pp=2,dp_shard=2,ep=2,pp_schedule=dualpipe,pp_microbatches=4-4-model4]":
+        "test_the_two_copies_stay_identical_and_checkpoints_hold_one (MoE with router-bias counts summed over the "
+        "pair) and zb_v with dp_shard=2,ep=2",
+    "tests/pipeline/test_pipeline_dualpipe.py::test_dualpipe_matches_one_device"
+    "[pp=2,dp_shard=2,tp=2,pp_schedule=dualpipe,pp_microbatches=4-8-model5]":
+        "[pp=2,dp_shard=2...] and test_pp_dp_tp_on_eight_ranks",
+    "tests/pipeline/test_pipeline_zb_auto.py::test_zb_auto_matches_one_device"
+    "[pp=4,pp_schedule=zb_auto,pp_microbatches=8,pp_costs=1/2/1/0.1-4-model1]":
+        "[pp=2,dp_shard=2,...,pp_memory_limit=3] (a zb_auto order through the same runtime) and the data tests",
+    "tests/pipeline/test_pipeline_zb_auto.py::test_zb_auto_matches_one_device"
+    "[pp=2,tp=2,pp_schedule=zb_auto,pp_microbatches=4,activation_checkpointing=full-4-model2]":
+        "zb_h1 under tp and full AC in test_composition / test_pipeline_runtime (zb_auto runs the same B/W path)",
     # test id: the case that still covers its path in CI
     "tests/parallel/test_inference.py::test_logits_and_greedy_tokens_match_the_single_device_model"
     "[cp=2,dp_shard=2,cp_attention=zigzag-spec1]": "cp=2,tp=2 ulysses; zigzag forward in test_evaluate",
@@ -73,4 +97,28 @@ SLOW_CASES: dict[str, str] = {
     "[tp=2,dp_shard=2-spec0]": "the same plan on Gemma-2 (spec7) and, with ep, on Llama-MoE (spec5)",
     "tests/models/test_kv_replication.py::test_kv_heads_fewer_than_tp[tp=4,sequence_parallel=false-model1]":
         "tp=4 (four ranks per K/V head) and tp=2,dp_shard=2 (MQA); TP without SP in test_tp_no_sp",
+    "tests/integrations/test_lora.py::test_lora_plans[tp2-no-sp]": "tp2-sp-local (the same local path with SP's collectives) and the property test's tp=2 plans",
+    "tests/integrations/test_lora.py::test_lora_plans[hsdp]": "the property test's dp_replicate=2 plans; FSDP over the adapters in tp2-sp-local",
+    "tests/integrations/test_lora.py::test_lora_plans[cp2-tp2-ulysses]": "the property test's cp=2 plans (ring, zigzag, ulysses, allgather drawn)",
+    "tests/integrations/test_lora.py::test_lora_plans[cp2-ring]": "the property test's cp=2 plans",
+    "tests/integrations/test_lora.py::test_lora_plans[cp2-allgather]": "the property test's cp=2 plans",
+    "tests/integrations/test_lora.py::test_lora_plans[cp4-usp]": "the property test's cp=2 plans (the adapter never sees attention: the kinds differ only there)",
+    "tests/integrations/test_lora.py::test_lora_plans[tp2-sac]": "the property test's selective/full AC draws",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-full-ac]": "the property test's selective/full AC draws",
+    "tests/integrations/test_lora.py::test_lora_plans[zero1]": "the property test's zero=1/2/3 draws",
+    "tests/integrations/test_lora.py::test_lora_plans[zero2]": "the property test's zero=1/2/3 draws",
+    "tests/integrations/test_lora.py::test_lora_plans[offload-params]": "dp_shard in tp2-sp-local; offload moves whole FSDP units, frozen or not",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-interleaved]": "pp2-tp2-zbh1 and the property test's schedules",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-gpipe-tied]": "pp2-tp2-zbh1 and the property test's tied draws",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zbv]": "pp2-tp2-zbh1 (the B/W split of the adapters) and the property test's zb_v draws",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-dualpipev]": "pp2-tp2-zbh1 (the B/W split of the adapters)",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zbh2]": "pp2-tp2-zbh1 (the B/W split of the adapters)",
+    "tests/integrations/test_lora.py::test_lora_plans[mixtral-ep2-tp2]": "test_lora_refusals (adapters inside MoE blocks) and tp2-sp-local for attention adapters",
+    "tests/integrations/test_lora.py::test_lora_plans[qwen2moe-dense-mlp-ep2]": "test_lora_refusals (adapters inside MoE blocks) and tp2-sp-local",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-dualpipe-tied]":
+        "pp2-tp2-zbh1 (the adapters' B/W split); the mirror pair sums only gradients that exist",
+    "tests/integrations/test_lora.py::test_lora_plans[pp2-zb-auto]": "pp2-tp2-zbh1 (the adapters' B/W split)",
+    "tests/integrations/test_lora.py::test_lora_plans[compiled-fsdp]":
+        "tp2-sp-local (the adapters' FSDP path); compile without adapters in test_training_semantics",
+    "tests/integrations/test_lora.py::test_lora_plans[qwen2-biases]": "tp2-sp-local (colwise biases shard with the base, as without LoRA)",
 }

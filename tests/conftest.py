@@ -24,6 +24,7 @@ PRELOAD = (
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
     "transformers.models.llama.modeling_llama",
+    "peft",
     "pytest",
     "hypothesis",
 )

@@ -25,6 +25,7 @@ def assert_matches_reference(results: list[dict], context: str) -> None:
     for rank, r in enumerate(results):
         where = f"{context}, rank {rank}"
         assert not r["missing_grads"], f"{where}: parameters without gradients: {r['missing_grads']}"
+        assert not r["frozen_mismatch"], f"{where}: frozen/trainable differ from the reference: {r['frozen_mismatch']}"
         assert max(r["loss"]) <= LOSS_TOL, f"{where}: loss differs by {r['loss']} (reference {r['ref_loss']})"
         assert r["grad"] <= GRAD_TOL, f"{where}: gradient differs by {r['grad']:.3g} (scale {r['grad_scale']:.3g})"
         assert r["grad_norm"] <= NORM_TOL, f"{where}: clipped grad norm differs by {r['grad_norm']:.3g}"

@@ -25,7 +25,10 @@ markdown:
    modules, with the loss of each as evidence that all computed the same step;
 4. a PNG timeline per schedule from the simulator in the --out folder, and one text timeline;
 5. where the executor's own CPU goes per action (`benchmarks.pipeline.profile`: cProfile on zero-sleep
-   stages, split into forward dispatch, backward, W, P2P post and wait, checks and the loop).
+   stages, split into forward dispatch, backward, W, P2P post and wait, checks and the loop);
+6. zb_auto against ZB-H1, ZB-H2, ZB-V, 1F1B and DualPipe at per-stage F/B/W and P2P costs measured on
+   the HF stages of section 3 (`benchmarks.pipeline.measured_costs`), run as sleep stages: simulated
+   and measured step, and each schedule's peak activations against zb_auto's memory limit.
 
 Variants are interleaved (order rotated every repetition) and medians are printed; ratios are
 medians of per-repetition ratios. Nothing here asserts on time.
@@ -43,7 +46,7 @@ from pathlib import Path
 import transformers
 
 from benchmarks.launch import run_ranks
-from benchmarks.pipeline import profile, ranks
+from benchmarks.pipeline import measured_costs, profile, ranks
 from benchmarks.pipeline import torch_pipeline as torch_pp
 from benchmarks.pipeline.sections import (
     ZB_HEADERS,
@@ -125,8 +128,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128, help="HF hidden size (4 heads, 2 KV heads)")
     p.add_argument("--seq", type=int, default=128, help="HF tokens per sequence (2 sequences per microbatch)")
     p.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["sleep", "hf", "profile"],
-                   help="comma-separated subset of sleep,hf,profile (default all; timelines are always drawn)")
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["sleep", "hf", "profile", "auto"],
+                   help="comma-separated subset of sleep,hf,profile,auto (default all; timelines are always drawn)")
     p.add_argument("--profile-steps", type=int, default=10, help="profiled steps per schedule in section 5")
     p.add_argument("--quick", action="store_true", help="under ~2 minutes: only --pp, fewer repetitions")
     p.add_argument("--out", default="benchmarks/results", help="folder for the PNG timelines and the report")
@@ -137,8 +140,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(args.costs) != 3:
         p.error("--costs takes three numbers: TF,TB,TW in ms")
-    if not set(args.sections) <= {"sleep", "hf", "profile"}:
-        p.error(f"--sections {','.join(args.sections)}: choose from sleep,hf,profile")
+    if not set(args.sections) <= {"sleep", "hf", "profile", "auto"}:
+        p.error(f"--sections {','.join(args.sections)}: choose from sleep,hf,profile,auto")
     args.reps = args.reps or (3 if args.quick else 7)
     args.hf_reps = args.hf_reps or (2 if args.quick else 5)
     return args
@@ -219,6 +222,28 @@ def sleep_report(args: argparse.Namespace, results: dict[int, list[dict]],
     return lines
 
 
+def auto_section(args: argparse.Namespace) -> list[str]:
+    """Section 6: measure the HF stages' costs, build every schedule for them, run them as sleeps."""
+    spec = make_spec(args, [])
+    costs = run_ranks(measured_costs.hf_costs_on_rank, args.pp, dict(spec, reps=args.hf_reps),
+                      timeout=WORLD_TIMEOUT_S)
+    limits = (args.pp, 2 * args.pp - 2)
+    plans = measured_costs.plans(args.pp, args.microbatches, costs, limits)
+    results = run_ranks(measured_costs.sleep_on_rank, args.pp, dict(spec, plans=plans), timeout=WORLD_TIMEOUT_S)
+    png = measured_costs.draw(plans, Path(args.out), args.pp, args.microbatches)
+    return ["## 6. zb_auto at costs measured on this machine", "", f"zb_auto's timeline at these costs: {png}", "",
+            f"pp={args.pp}, m={args.microbatches}. Costs: the HF stages of section 3 timed by the runtime's trace "
+            f"({args.hf_reps} traced steps of ZB-H1's order for the {args.pp}-stage split, of ZB-V's for its "
+            f"{2 * args.pp} stages, normal priority), medians per stage; P2P from a ping of one boundary activation. "
+            f"zb_auto is built for them at memory limits {' and '.join(map(str, limits))} (ZB-H1's peak, and one "
+            "below ZB-H2's); every schedule then runs on sleep stages sleeping its stages' measured F/B/W "
+            f"({PRIORITY_TEXT[args.priority].split(' (')[0]}), {args.reps} repetitions interleaved. 'Simulated' "
+            "includes the measured P2P time per hop; the replay ratio (each repetition at its own traced stage "
+            "times, zero latency) is what the runtime adds. Peak activations: microbatches each rank holds from "
+            "F until W in the order it ran (the simulator's count; the runtime runs the order as listed).", "",
+            *measured_costs.table_lines(args.pp, args.microbatches, costs, plans, results), ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every world, then print the report and write it (with the timelines) under --out."""
     args = parse(argv)
@@ -248,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                   "call, so read the split, not the absolute) per compute action, median over ranks. "
                   "`python -m benchmarks.pipeline.profile` prints the same table.", "",
                   *profile.run(args.pp, args.microbatches, args.profile_steps, plans[args.pp]), ""]
+    if "auto" in args.sections:
+        print(f"[pipeline] pp={args.pp}: zb_auto at measured costs ({time.perf_counter() - start:.0f}s)",
+              file=sys.stderr, flush=True)
+        lines += auto_section(args)
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     lines.append(f"Total runtime {time.perf_counter() - start:.0f} s (load average at the end "
                  f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}).")

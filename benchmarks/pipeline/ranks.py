@@ -26,7 +26,7 @@ from meshkit.models import llama
 from meshkit.models.stage import build_stages
 from meshkit.pipeline import split as pp_split
 from meshkit.pipeline.runtime import TensorMeta, TraceEvent, run_schedule
-from meshkit.pipeline.schedules import Schedule, build_schedule, stage_placement
+from meshkit.pipeline.schedules import Schedule, build_schedule, stage_chunks, stage_placement
 from meshkit.testing.reference import ModelSpec
 
 # ------------------------------------------------------------------------------------- sleep stages
@@ -129,12 +129,15 @@ def hf_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def hf_stages(model: nn.Module, name: str, pp: int, v: int, rank: int) -> dict[int, nn.Module]:
-    """This rank's stages of `model` split into pp*v stages by meshkit (embedding and head count as
-    layers), placed as schedule `name` places them (the V schedules: stages r and 2p-1-r on rank r)."""
+    """This rank's stages of `model` split into chunks by meshkit (embedding and head count as
+    layers), placed as schedule `name` places them (the V schedules: stages r and 2p-1-r on rank r;
+    DualPipe: chunk r down and chunk p-1-r up)."""
     parts = llama.parts(model)
-    ranges = pp_split.split_layers(len(parts.blocks), pp * v)
+    chunks = stage_chunks(name, pp, v)
+    ranges = pp_split.split_layers(len(parts.blocks), max(chunks) + 1)
     ids = pp_split.stages_of_rank(rank, stage_placement(name, pp, v))
-    return {s: WithPositions(m) for s, m in build_stages(parts, parts.blocks, ranges, ids).items()}
+    stages = build_stages(parts, parts.blocks, [ranges[c] for c in chunks], ids, None, chunks)
+    return {s: WithPositions(m) for s, m in stages.items()}
 
 
 # ------------------------------------------------------------------------------------------- steps
@@ -390,7 +393,9 @@ def _losses(variants: list[Variant], m: int) -> dict[str, float | None]:
             mine = total if variant.name.startswith("meshkit") else total / m  # meshkit's loss_fn divides by m
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        out[variant.name] = next((g for g in gathered if g is not None), None)
+        # Summed: under DualPipe two ranks end a pipeline, each with its half of the microbatches.
+        held = [g for g in gathered if g is not None]
+        out[variant.name] = sum(held) if held else None
     return out
 
 

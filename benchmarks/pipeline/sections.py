@@ -31,8 +31,10 @@ from meshkit.pipeline.schedules import (
 )
 from meshkit.pipeline.simulate import Costs, SimulationResult, render_png, render_text, simulate
 
+# DualPipe with v=1: each of its two stages per rank is a whole chunk (1/pp of the layers), so it sleeps a
+# rank's full TF/TB/TW, where the V schedules' half-size stages sleep half.
 SCHEDULES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
-                                          ("zb_h2", 1), ("zb_v", 2), ("dualpipe_v", 2))
+                                          ("zb_h2", 1), ("zb_v", 2), ("dualpipe_v", 2), ("dualpipe", 1))
 MS = 1000.0
 
 # ---------------------------------------------------------------------------------------- formatting
@@ -161,6 +163,8 @@ def formula_bubble(name: str, p: int, m: int, v: int, costs_ms: Sequence[float])
         idle = (p - 1) * (tf + tb - min(tf, tb, tw))
     elif name in ("zb_h2", "zb_v", "dualpipe_v"):
         idle = (p - 1) * tf / v
+    elif name == "dualpipe":  # DualPipeV's on p/2 ranks: the middle ranks' first input crosses p/2-1 ranks
+        idle = (p // 2 - 1) * tf
     else:
         idle = (p - 1) * (tf + tb + tw) / v
     return idle / (m * (tf + tb + tw) + idle)
@@ -168,7 +172,8 @@ def formula_bubble(name: str, p: int, m: int, v: int, costs_ms: Sequence[float])
 
 def formula_text(name: str) -> str:
     return {"zb_h1": "(p-1)(TF+TB-TW)", "interleaved_1f1b": "(p-1)/(vm+p-1)", "zb_h2": "(p-1)TF [TF=TB=TW]",
-            "zb_v": "(p-1)TF/2 [TF=TB=TW]", "dualpipe_v": "(p-1)TF/2 [TF=TB=TW]"}.get(name, "(p-1)/(m+p-1)")
+            "zb_v": "(p-1)TF/2 [TF=TB=TW]", "dualpipe_v": "(p-1)TF/2 [TF=TB=TW]",
+            "dualpipe": "(p/2-1)TF [TF=TB=TW]"}.get(name, "(p-1)/(m+p-1)")
 
 
 def span_bubble(result: SimulationResult) -> Fraction:

@@ -31,7 +31,8 @@ PEERS: dict[str, tuple[str, int]] = {
     "dualpipe_v": ("ScheduleDualPipeV", 2),
 }
 #: meshkit schedules torch has no class for (the tables say so instead of a ratio).
-NO_PEER = {"zb_h2": "torch has no ZB-H2 class"}
+NO_PEER = {"zb_h2": "torch has no ZB-H2 class", "dualpipe": "torch has no DualPipe class (only DualPipeV)",
+           "zb_auto": "torch has no automatic zero-bubble schedule"}
 _MULTI = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 #: torch's action letters (2.6+ meaning) -> meshkit's: torch `I` is meshkit `B`, torch `B` is `BW`.
 _KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}

@@ -34,16 +34,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit._compat.collectives import all_gather_single, reduce_scatter_single
 from meshkit.context_parallel.group import as_group
-from meshkit.context_parallel.kernels import acc_dtype, attention_backward, attention_forward, default_scale
+from meshkit.context_parallel.kernels import attention_backward, attention_forward, default_scale
 from meshkit.context_parallel.ring import add_sinks_, check_sinks, merge_, sink_grad
+from meshkit.context_parallel.scores import ScoreMods, acc_dtype
 from meshkit.context_parallel.sharding import shard_indices
 
 
-def allgather_blocks(cp: int, rank: int, seq_local: int, causal: bool) -> list[tuple[slice, slice, str]]:
+def allgather_blocks(cp: int, rank: int, seq_local: int, causal: bool,
+                     window: int | None = None) -> list[tuple[slice, slice, str]]:
     """(local query slice, global key slice, causal kind) of every kernel call `rank` makes.
 
     One list for forward and backward and for the work counter in the tests, so the balance that is
-    checked is the plan that runs.
+    checked is the plan that runs. A sliding `window` trims each key prefix to the keys its chunk's
+    first query can still see (the kernel's band mask does the rest).
     """
     if not causal:
         return [(slice(0, seq_local), slice(0, seq_local * cp), "none")]
@@ -51,8 +54,9 @@ def allgather_blocks(cp: int, rank: int, seq_local: int, causal: bool) -> list[t
     blocks = []
     for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         q = slice(half * c, (half + 1) * c)
-        if chunk:
-            blocks.append((q, slice(0, chunk * c), "none"))
+        start = max(0, chunk * c - window + 1) if window else 0
+        if start < chunk * c:
+            blocks.append((q, slice(start, chunk * c), "none"))
         blocks.append((q, slice(chunk * c, (chunk + 1) * c), "causal"))
     return blocks
 
@@ -78,17 +82,20 @@ def _in_order(pending, x_shape, cp: int, perm: torch.Tensor, dim: int) -> torch.
     return joined.index_select(dim, perm)
 
 
-def _docs(doc_full_BS, doc_BS, q: slice, k: slice):
-    if doc_BS is None:
-        return None, None
-    return doc_BS[:, q], doc_full_BS[:, k]
+def _block(doc_full_BS, doc_BS, mods: ScoreMods, q_pos_S: torch.Tensor, q: slice, k: slice, kind: str) -> dict:
+    """Keywords of `attention_forward` / `attention_backward` for queries `q` (local) and keys `k`
+    (global order): causal kind, documents, soft-cap and window."""
+    docs = (None, None) if doc_BS is None else (doc_BS[:, q], doc_full_BS[:, k])
+    pos = (q_pos_S[q], torch.arange(k.start, k.stop)) if mods.window else (None, None)
+    return dict(causal_kind=kind, q_doc_BS=docs[0], kv_doc_BS=docs[1], **mods.block(*pos))
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, causal, scale, doc_BS, backend, grad_dtype, sinks_H):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, causal, scale, doc_BS, backend, grad_dtype, sinks_H, mods):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         S_l = q_BHSD.shape[2]
+        q_pos = shard_indices(S_l * cp, "zigzag", cp, rank)
         perm = _global_order(S_l, cp, q_BHSD.device)
         kv = torch.stack([k_BHSD, v_BHSD])
         kv_pending = _post_gather(kv, group, cp)
@@ -96,28 +103,26 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = acc_dtype(q_BHSD.dtype)
         out_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         lse_BHS = torch.full(q_BHSD.shape[:3], -math.inf, dtype=acc, device=q_BHSD.device)
-        blocks = allgather_blocks(cp, rank, S_l, causal)
+        blocks = allgather_blocks(cp, rank, S_l, causal, mods.window)
         # The causal diagonals need only this rank's own K/V: computed while the gather is in flight.
         local_first = sorted(blocks, key=lambda b: b[2] != "causal")
         kv_full = None
         for qs, ks, kind in local_first:
             if kind == "causal":
-                q_doc, kv_doc = _docs(doc_BS, doc_BS, qs, qs)
                 k_i, v_i = kv[0][:, :, qs], kv[1][:, :, qs]
             else:
                 if kv_full is None:
                     kv_full = _in_order(kv_pending, kv.shape, cp, perm, 3)  # [2, B, Hkv, S, D]
-                q_doc, kv_doc = _docs(doc_full, doc_BS, qs, ks)
                 k_i, v_i = kv_full[0][:, :, ks], kv_full[1][:, :, ks]
-            o_i, lse_i = attention_forward(q_BHSD[:, :, qs], k_i, v_i, causal_kind=kind, scale=scale,
-                                           q_doc_BS=q_doc, kv_doc_BS=kv_doc, backend=backend)
+            o_i, lse_i = attention_forward(q_BHSD[:, :, qs], k_i, v_i, scale=scale, backend=backend,
+                                           **_block(doc_full, doc_BS, mods, q_pos, qs, ks, kind))
             merge_(out_BHSD[:, :, qs], lse_BHS[:, :, qs], o_i, lse_i)
         if kv_full is None:
             kv_full = _in_order(kv_pending, kv.shape, cp, perm, 3)
         lse_BHS = add_sinks_(out_BHSD, lse_BHS, sinks_H)  # as in ring.py: once, after every block
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, kv_full, out, lse_BHS)
-        ctx.opts = (group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype)
+        ctx.opts = (group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype, mods, q_pos)
         ctx.sinks = sinks_H
         return out
 
@@ -125,17 +130,16 @@ class _AllGatherAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout_BHSD):
         q_BHSD, kv_full, out_BHSD, lse_BHS = ctx.saved_tensors
-        group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype = ctx.opts
+        group, blocks, scale, backend, doc_full, doc_BS, perm, grad_dtype, mods, q_pos = ctx.opts
         cp = dist.get_world_size(group)
         acc = acc_dtype(q_BHSD.dtype)
         dq_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         dkv_full = torch.zeros(kv_full.shape, dtype=acc, device=kv_full.device)
         for qs, ks, kind in blocks:
-            q_doc, kv_doc = _docs(doc_full, doc_BS, qs, ks)
             dq_i, dk_i, dv_i = attention_backward(
                 dout_BHSD[:, :, qs], q_BHSD[:, :, qs], kv_full[0][:, :, ks], kv_full[1][:, :, ks],
-                out_BHSD[:, :, qs], lse_BHS[:, :, qs], causal_kind=kind, scale=scale, q_doc_BS=q_doc,
-                kv_doc_BS=kv_doc, backend=backend,
+                out_BHSD[:, :, qs], lse_BHS[:, :, qs], scale=scale, backend=backend,
+                **_block(doc_full, doc_BS, mods, q_pos, qs, ks, kind),
             )
             dq_BHSD[:, :, qs].add_(dq_i)
             dkv_full[0][:, :, ks].add_(dk_i)
@@ -148,7 +152,7 @@ class _AllGatherAttention(torch.autograd.Function):
         reduce_scatter_single(recv, send.flatten(0, 1), group)
         return (
             dq_BHSD.to(q_BHSD.dtype), recv[0].to(kv_full.dtype), recv[1].to(kv_full.dtype),
-            None, None, None, None, None, None, sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS),
+            None, None, None, None, None, None, sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS), None,
         )
 
 
@@ -165,14 +169,17 @@ def allgather_attention(
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the local query shard against the whole sequence's K/V, gathered; returns local out.
 
     Inputs are this rank's zig-zag shard (`sharding.shard(..., "zigzag", ...)`), K/V with their own
     GQA head count, never repeated. grad_dtype: the dtype dK/dV travel in (None: fp32, the
     accumulator's); the owner sums in fp32 either way. sinks_H: per-head attention sinks (gpt-oss),
-    added after the merge as in `ring_attention`.
+    added after the merge as in `ring_attention`; softcap and window as in `ring_attention`.
     """
+    mods = ScoreMods(softcap, window).checked(causal)
     if dropout_p:
         raise ValueError(
             f"attention dropout_p={dropout_p} is not supported under context parallelism; set the "
@@ -195,4 +202,4 @@ def allgather_attention(
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
     check_sinks(sinks_H, q_BHSD)
     return _AllGatherAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, causal, scale, doc_ids_BS, backend, grad_dtype,
-                                     sinks_H)
+                                     sinks_H, mods)

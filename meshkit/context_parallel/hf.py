@@ -13,8 +13,9 @@ by meshkit's stage (`models.stage.CausalLMStage`) on every block call:
 HF's own per-layer keywords are honoured too: `sliding_window`, `softcap` (attention-logit
 soft-capping) and `s_aux` (attention sinks) route the layer through `masked.quirk_attention`, on one
 rank or under Ulysses. The kinds that merge blocks by log-sum-exp (ring, zig-zag, all-gather, USP)
-apply sinks after their merge (`ring.add_sinks_`) and refuse windows shorter than the sequence and
-soft-capping (`Plan.validate` already did, naming the fix).
+apply them per block instead: the window as a band mask over global positions (blocks wholly
+outside it skipped), the soft-cap in each block's explicit scores (`scores.py`), the sinks after
+their last merge (`ring.add_sinks_`).
 """
 
 from __future__ import annotations
@@ -57,21 +58,19 @@ class ContextParallelAttention:
 
     def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: torch.Tensor | None,
                  quirks: dict | None = None) -> torch.Tensor:
-        sinks_H = None
-        if quirks and self.kind not in (None, "ulysses") and not quirks.get("sliding_window") \
-                and not quirks.get("softcap"):
-            # sinks alone: one term in the merged denominator, which the merging kinds add after
-            # their last block (ring.add_sinks_), on the fused kernels
-            sinks_H, quirks = quirks.get("sinks_H"), None
-        if quirks:
+        if quirks and self.kind in (None, "ulysses"):
             return self._with_quirks(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks)
+        # The merging kinds apply every quirk per block: soft-cap and window in each block's scores,
+        # sinks once after the last merge (ring.add_sinks_).
+        quirks = quirks or {}
+        mods = dict(sinks_H=quirks.get("sinks_H"), softcap=quirks.get("softcap"), window=quirks.get("sliding_window"))
         if self.kind in ("ring", "zigzag"):
             return ring_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, layout=self.layout,
                                   scale=scale, doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype,
-                                  keep_kv=self.keep_kv, sinks_H=sinks_H)
+                                  keep_kv=self.keep_kv, **mods)
         if self.kind == "allgather" and self.ulysses_group is None:
             return allgather_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
-                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype, sinks_H=sinks_H)
+                                       doc_ids_BS=doc_ids_BS, grad_dtype=self.grad_dtype, **mods)
         if self.kind == "ulysses":
             return ulysses_attention(q_BHSD, k_BHSD, v_BHSD, self.group, causal=True, scale=scale,
                                      doc_ids_BS=doc_ids_BS)
@@ -79,7 +78,7 @@ class ContextParallelAttention:
             return usp_attention(q_BHSD, k_BHSD, v_BHSD, self.ulysses_group, self.ring_group, causal=True,
                                  layout=self.layout, scale=scale, doc_ids_BS=doc_ids_BS,
                                  outer="ring" if self.kind == "usp" else "allgather", grad_dtype=self.grad_dtype,
-                                 sinks_H=sinks_H)
+                                 **mods)
         if k_BHSD.shape[2] != q_BHSD.shape[2]:
             return _cached_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
         if doc_ids_BS is not None:
@@ -99,7 +98,7 @@ class ContextParallelAttention:
         return local_len * dist.get_world_size(as_group(self.group))
 
     def _with_quirks(self, q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS, quirks: dict) -> torch.Tensor:
-        """Windows, soft-capping, sinks: on whole sequences, so locally or after Ulysses' all-to-all."""
+        """Windows, soft-capping, sinks on whole sequences: on one rank or after Ulysses' all-to-all."""
         sinks_H = quirks.get("sinks_H")
         if sinks_H is not None and sinks_H.shape[0] != q_BHSD.shape[1]:
             raise ValueError(f"attention sinks for {sinks_H.shape[0]} heads but {q_BHSD.shape[1]} local query heads: "
@@ -107,9 +106,6 @@ class ContextParallelAttention:
                              "apply_head_params does it for the attention module's per-head parameters)")
         if self.kind is None:
             return quirk_attention(q_BHSD, k_BHSD, v_BHSD, scale=scale, doc_ids_BS=doc_ids_BS, **quirks)
-        if self.kind != "ulysses":
-            raise ValueError(f"cp_attention={self.kind!r} merges blocks by log-sum-exp and does not apply "
-                             f"{sorted(quirks)}; fix: cp_attention='ulysses'")
         group = as_group(self.group)
         q_h, k_h, v_h = scatter_heads(q_BHSD, k_BHSD, v_BHSD, group)
         docs_BS = gather_seq(None if doc_ids_BS is None else doc_ids_BS.to(q_BHSD.device), group)

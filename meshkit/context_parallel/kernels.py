@@ -9,13 +9,16 @@ private aten ops; this module hides them behind:
 * `attention_block`: the same as a differentiable op (``meshkit::attention_block``), used by
   Ulysses, where the local kernel sees whole sequences and needs no merging.
 * `reference_attention`: explicit scores in the input dtype (fp64-capable), plain autograd. Tests
-  compare everything against it; `backend="reference"` also routes the ops through it.
+  compare everything against it; `backend="reference"` also routes the ops through it
+  (`scores.py`), and so does any block with soft-capped scores (Gemma 2), which no fused kernel
+  computes.
 
 Masks: ``causal_kind`` is ``"none"`` or ``"causal"``. ``"causal"`` is only accepted on square blocks,
 because SDPA's ``is_causal`` is top-left aligned when Sq != Sk, which is the wrong diagonal for a
 query block that sits after its key block. Document ids (``q_doc_BS``, ``kv_doc_BS``: one integer per
-token, equal within a packed document) add a block-diagonal mask on top; the CPU kernel and CUDA's
-memory-efficient kernel take it as an additive bias.
+token, equal within a packed document) add a block-diagonal mask on top, and a sliding ``window``
+(with the global positions of the block's queries and keys, ``q_pos_S`` and ``kv_pos_S``) a band;
+the CPU kernel and CUDA's memory-efficient kernel take them as an additive bias.
 
 Empty rows (every key masked, e.g. a document absent from this key block) are normalised to
 ``out = 0`` and ``lse = -inf`` whatever the kernel returned (flash: +inf, CPU: 0), so merges can treat
@@ -37,6 +40,14 @@ from typing import Literal
 import torch
 
 from meshkit._compat.dispatch import sdpa_op
+from meshkit.context_parallel.scores import (
+    acc_dtype,
+    block_mask,
+    expand_kv,
+    reduce_kv_grad,
+    scores_backward,
+    scores_forward,
+)
 
 CausalKind = Literal["none", "causal"]
 Backend = Literal["auto", "cpu_flash", "flash", "efficient", "cudnn", "reference"]
@@ -49,7 +60,8 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS, dropout_p=0.0) -> None:
+def _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS, dropout_p=0.0, *, window=None,
+           q_pos_S=None, kv_pos_S=None) -> None:
     if dropout_p:
         raise ValueError(
             f"attention dropout_p={dropout_p} is not supported: exact dropout under context parallelism "
@@ -81,38 +93,9 @@ def _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS, dropout_p=0
             f"document ids must be [B, Sq] = {(B, Sq)} and [B, Sk] = {(B, Sk)}, got "
             f"{tuple(q_doc_BS.shape)} and {tuple(kv_doc_BS.shape)}"
         )
-
-
-def block_mask(
-    Sq: int, Sk: int, causal_kind: str, q_doc_BS: torch.Tensor | None, kv_doc_BS: torch.Tensor | None,
-    device, *, explicit: bool = False,
-) -> torch.Tensor | None:
-    """Boolean keep-mask [B or 1, 1, Sq, Sk]; None when the kernel's own flags express it (unless
-    `explicit`, for code that applies the mask itself)."""
-    keep = None
-    if q_doc_BS is not None:
-        keep = (q_doc_BS[:, :, None] == kv_doc_BS[:, None, :]).unsqueeze(1)
-    elif explicit:
-        keep = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=device)
-    if keep is not None and causal_kind == "causal":
-        keep = keep & torch.ones(Sq, Sk, dtype=torch.bool, device=device).tril()
-    return keep
-
-
-def _expand_kv(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
-    """Repeat K/V heads up to `heads`, locally, for kernels without native GQA."""
-    rep = heads // x_BHSD.shape[1]
-    return x_BHSD if rep == 1 else x_BHSD.repeat_interleave(rep, dim=1)
-
-
-def _reduce_kv_grad(g_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    B, H, S, D = g_BHSD.shape
-    return g_BHSD if H == kv_heads else g_BHSD.reshape(B, kv_heads, H // kv_heads, S, D).sum(2)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for everything but fp64: the dtype of lse and of merge/gradient accumulators."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    if window and (q_pos_S is None or kv_pos_S is None or (len(q_pos_S), len(kv_pos_S)) != (Sq, Sk)):
+        raise ValueError(f"window={window} needs the positions of the block's {Sq} queries and {Sk} keys "
+                         f"(q_pos_S, kv_pos_S)")
 
 
 def _empty_result(q_BHSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,29 +121,20 @@ def reference_attention(
     scale: float | None = None,
     q_doc_BS: torch.Tensor | None = None,
     kv_doc_BS: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    q_pos_S: torch.Tensor | None = None,
+    kv_pos_S: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Explicit-scores attention in the input dtype, differentiable by plain autograd.
-
-    Empty rows give out = 0, lse = -inf and zero (not NaN) gradients: the log-sum-exp is taken over
-    rows whose masked entries were replaced by 0, and the probabilities are explicitly zeroed.
-    """
-    _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS)
-    B, H, Sq, D = q_BHSD.shape
-    Sk = k_BHSD.shape[2]
-    scale = default_scale(D) if scale is None else scale
-    k = _expand_kv(k_BHSD, H)
-    v = _expand_kv(v_BHSD, H)
-    s_BHSS = torch.matmul(q_BHSD, k.transpose(-1, -2)) * scale
-    keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, explicit=True)
-    keep = keep.expand(B, H, Sq, Sk)
-    nonempty_BHS = keep.any(-1)
-    s_BHSS = s_BHSS.masked_fill(~keep, -math.inf)
-    # Empty rows take their log-sum-exp over zeros instead of -infs: finite, so no NaN gradient.
-    lse_raw_BHS = torch.logsumexp(torch.where(nonempty_BHS[..., None], s_BHSS, 0.0), dim=-1)
-    p_BHSS = torch.exp(s_BHSS - lse_raw_BHS[..., None])  # exp(-inf - finite) = 0 on masked entries
-    out = torch.matmul(p_BHSS, v)
-    lse = torch.where(nonempty_BHS, lse_raw_BHS, -math.inf)
-    return out, lse
+    """Explicit-scores attention in the input dtype (fp64-capable), differentiable by plain autograd
+    (`scores.scores_forward`). Empty rows give out = 0, lse = -inf and zero (not NaN) gradients."""
+    _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS, window=window, q_pos_S=q_pos_S,
+           kv_pos_S=kv_pos_S)
+    Sq, Sk = q_BHSD.shape[2], k_BHSD.shape[2]
+    scale = default_scale(q_BHSD.shape[-1]) if scale is None else scale
+    keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, explicit=True, window=window,
+                      q_pos_S=q_pos_S, kv_pos_S=kv_pos_S)
+    return scores_forward(q_BHSD, k_BHSD, v_BHSD, keep, scale, softcap)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,23 +177,32 @@ def attention_forward(
     q_doc_BS: torch.Tensor | None = None,
     kv_doc_BS: torch.Tensor | None = None,
     backend: Backend = "auto",
+    softcap: float | None = None,
+    window: int | None = None,
+    q_pos_S: torch.Tensor | None = None,
+    kv_pos_S: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B,H,Sq,D] in q's dtype, lse [B,H,Sq] fp32 (fp64 for fp64 inputs)) of one block."""
-    _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS)
+    """(out [B,H,Sq,D] in q's dtype, lse [B,H,Sq] fp32 (fp64 for fp64 inputs)) of one block.
+
+    softcap: scores c * tanh(x / c) (explicit scores, `scores.py`); window: keys within `window`
+    positions of the query (`q_pos_S`, `kv_pos_S`: the block's global token positions)."""
+    _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS, window=window, q_pos_S=q_pos_S,
+           kv_pos_S=kv_pos_S)
     B, H, Sq, D = q_BHSD.shape
     Sk = k_BHSD.shape[2]
     scale = default_scale(D) if scale is None else scale
     if Sq == 0 or Sk == 0:  # the CPU kernel divides by zero on empty blocks
         return _empty_result(q_BHSD)
-    keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device)
+    band = dict(window=window, q_pos_S=q_pos_S, kv_pos_S=kv_pos_S)
+    keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, **band)
     causal = causal_kind == "causal" and keep is None
     kind = _pick_backend(backend, q_BHSD, keep is not None)
-    if kind == "reference":
+    if kind == "reference" or softcap:
+        acc = acc_dtype(q_BHSD.dtype)
+        keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, explicit=True, **band)
         with torch.no_grad():
-            return reference_attention(
-                q_BHSD, k_BHSD, v_BHSD, causal_kind=causal_kind, scale=scale, q_doc_BS=q_doc_BS,
-                kv_doc_BS=kv_doc_BS,
-            )
+            out, lse = scores_forward(q_BHSD.to(acc), k_BHSD.to(acc), v_BHSD.to(acc), keep, scale, softcap)
+        return out.to(q_BHSD.dtype), lse
     if kind == "cpu_flash":
         mask = None if keep is None else _additive(keep, q_BHSD.dtype)
         out, lse = sdpa_op("_scaled_dot_product_flash_attention_for_cpu")(
@@ -232,13 +215,13 @@ def attention_forward(
     elif kind == "efficient":
         bias = _cuda_bias(keep, q_BHSD.dtype, H, Sq, Sk)
         out, lse = sdpa_op("_scaled_dot_product_efficient_attention")(
-            q_BHSD, _expand_kv(k_BHSD, H), _expand_kv(v_BHSD, H), bias, True, 0.0, causal, scale=scale
+            q_BHSD, expand_kv(k_BHSD, H), expand_kv(v_BHSD, H), bias, True, 0.0, causal, scale=scale
         )[:2]
         lse = lse[..., :Sq]  # padded to a multiple of 32 rows
     elif kind == "cudnn":
         bias = _cuda_bias(keep, q_BHSD.dtype, H, Sq, Sk)
         out, lse = sdpa_op("_scaled_dot_product_cudnn_attention")(
-            q_BHSD, _expand_kv(k_BHSD, H), _expand_kv(v_BHSD, H), bias, True, 0.0, causal, False,
+            q_BHSD, expand_kv(k_BHSD, H), expand_kv(v_BHSD, H), bias, True, 0.0, causal, False,
             scale=scale,
         )[:2]
         lse = lse.reshape(B, H, -1)[..., :Sq]
@@ -265,27 +248,37 @@ def attention_backward(
     q_doc_BS: torch.Tensor | None = None,
     kv_doc_BS: torch.Tensor | None = None,
     backend: Backend = "auto",
+    softcap: float | None = None,
+    window: int | None = None,
+    q_pos_S: torch.Tensor | None = None,
+    kv_pos_S: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the FINAL out and lse of the rows (not the block's own).
 
     With P = exp(S - lse_final) and D = rowsum(dO * O_final), dS = P * (dP - D) is exactly this block's
     share of the full softmax gradient, so blocks can be differentiated independently.
+    `softcap` and `window` as in `attention_forward`.
     """
-    _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS)
+    _check(q_BHSD, k_BHSD, v_BHSD, causal_kind, q_doc_BS, kv_doc_BS, window=window, q_pos_S=q_pos_S,
+           kv_pos_S=kv_pos_S)
     B, H, Sq, D = q_BHSD.shape
     Hkv, Sk = k_BHSD.shape[1], k_BHSD.shape[2]
     scale = default_scale(D) if scale is None else scale
     if Sq == 0 or Sk == 0:
         return torch.zeros_like(q_BHSD), torch.zeros_like(k_BHSD), torch.zeros_like(v_BHSD)
-    keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device)
+    band = dict(window=window, q_pos_S=q_pos_S, kv_pos_S=kv_pos_S)
+    keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, **band)
     causal = causal_kind == "causal" and keep is None
     kind = _pick_backend(backend, q_BHSD, keep is not None)
     # Rows empty everywhere: +inf makes P = exp(S - inf) = 0, so their gradient is 0, not NaN.
     lse_BHS = torch.where(lse_BHS == -math.inf, math.inf, lse_BHS).contiguous()
     dout_BHSD, out_BHSD = dout_BHSD.contiguous(), out_BHSD.contiguous()
-    if kind == "reference":
-        keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, explicit=True)
-        return _reference_backward(dout_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, scale, keep)
+    if kind == "reference" or softcap:
+        acc = acc_dtype(q_BHSD.dtype)
+        keep = block_mask(Sq, Sk, causal_kind, q_doc_BS, kv_doc_BS, q_BHSD.device, explicit=True, **band)
+        grads = scores_backward(dout_BHSD.to(acc), q_BHSD.to(acc), k_BHSD.to(acc), v_BHSD.to(acc),
+                                out_BHSD.to(acc), lse_BHS.to(acc), keep, scale, softcap)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q_BHSD, k_BHSD, v_BHSD)))
     if kind == "cpu_flash":
         mask = None if keep is None else _additive(keep, q_BHSD.dtype)
         return sdpa_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
@@ -303,7 +296,7 @@ def attention_backward(
             seed, offset, scale=scale,
         )
         return dq, dk, dv
-    k_full, v_full = _expand_kv(k_BHSD, H).contiguous(), _expand_kv(v_BHSD, H).contiguous()
+    k_full, v_full = expand_kv(k_BHSD, H).contiguous(), expand_kv(v_BHSD, H).contiguous()
     bias = _cuda_bias(keep, q_BHSD.dtype, H, Sq, Sk)
     seed = torch.zeros((), dtype=torch.int64, device=dev)
     offset = torch.zeros((), dtype=torch.int64, device=dev)
@@ -321,22 +314,7 @@ def attention_backward(
         )
     else:  # pragma: no cover
         raise AssertionError(kind)
-    return dq, _reduce_kv_grad(dk, Hkv), _reduce_kv_grad(dv, Hkv)
-
-
-def _reference_backward(dout, q, k, v, out, lse, scale, keep):
-    """Closed-form block backward with explicit scores, honouring the final out/lse."""
-    H, Hkv = q.shape[1], k.shape[1]
-    kf, vf = _expand_kv(k, H), _expand_kv(v, H)
-    s = torch.matmul(q, kf.transpose(-1, -2)) * scale
-    p = torch.exp(s - lse[..., None].to(s.dtype)) * keep
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, vf.transpose(-1, -2))
-    delta = (dout * out).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, kf)
-    dk = torch.matmul(ds.transpose(-1, -2), q)
-    return dq, _reduce_kv_grad(dk, Hkv), _reduce_kv_grad(dv, Hkv)
+    return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)
 
 
 # ---------------------------------------------------------------------------------------------------

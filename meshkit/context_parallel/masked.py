@@ -14,9 +14,8 @@ eager attention define them:
 The scores are explicit ([B, H, S, S] per call) and differentiated by plain autograd: exact, but
 memory grows with S^2, unlike the fused kernels the plain causal path uses. Under context
 parallelism Ulysses runs it (each rank sees whole sequences for a slice of heads, and their sinks);
-the ring kinds merge blocks by log-sum-exp, so `llama.check_config` refuses them for windows shorter
-than the sequence and soft-capping, while sinks alone (one term in the merged denominator) run in
-every merging kind on the fused kernels (`ring.add_sinks_`).
+the kinds that merge blocks by log-sum-exp apply the same quirks per block instead (`scores.py`:
+band masks and soft-capped explicit scores; `ring.add_sinks_` after the merge).
 """
 
 from __future__ import annotations

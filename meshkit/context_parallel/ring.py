@@ -58,8 +58,9 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit.context_parallel.group import as_group
-from meshkit.context_parallel.kernels import acc_dtype, attention_backward, attention_forward, default_scale
-from meshkit.context_parallel.sharding import LAYOUTS, Layout
+from meshkit.context_parallel.kernels import attention_backward, attention_forward, default_scale
+from meshkit.context_parallel.scores import ScoreMods, acc_dtype
+from meshkit.context_parallel.sharding import LAYOUTS, Layout, shard_indices
 
 _KV_TAG, _DKV_TAG = 11, 12
 
@@ -173,13 +174,39 @@ def _gather_docs(doc_BS: torch.Tensor | None, group: dist.ProcessGroup, size: in
     return out
 
 
+class _Blocks:
+    """The per-block keywords of one call: documents, soft-cap, and the window over the positions of
+    each rank's shard (blocks the window hides entirely are dropped from the plan)."""
+
+    def __init__(self, mods: ScoreMods, layout: str, ring: _Ring, seq_local: int, docs, doc_BS):
+        self.mods, self.rank, self.docs, self.doc_BS = mods, ring.rank, docs, doc_BS
+        self.pos = [shard_indices(seq_local * ring.size, layout, ring.size, r) for r in range(ring.size)] \
+            if mods.window else None
+
+    def _pos(self, blk: BlockStep):
+        if self.pos is None:
+            return None, None
+        return _half(self.pos[self.rank], blk.q_half, 0), _half(self.pos[blk.src], blk.kv_half, 0)
+
+    def visible(self, plan: list[BlockStep | None]) -> list[BlockStep | None]:
+        """`plan` without the blocks the window hides."""
+        return [blk if blk is not None and self.mods.visible(*self._pos(blk)) else None for blk in plan]
+
+    def kwargs(self, blk: BlockStep) -> dict:
+        """Keywords of `attention_forward` / `attention_backward` for block `blk`."""
+        q_doc, kv_doc = _block_docs(self.docs, self.doc_BS, blk)
+        return dict(causal_kind="causal" if blk.causal else "none", q_doc_BS=q_doc, kv_doc_BS=kv_doc,
+                    **self.mods.block(*self._pos(blk)))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHSD, k_BHSD, v_BHSD, group, layout, causal, scale, doc_BS, backend, grad_dtype, keep_kv,
-                sinks_H):
+                sinks_H, mods):
         ring = _Ring(group)
-        plan = ring_schedule(layout, causal, ring.size, ring.rank)
         docs = _gather_docs(doc_BS, group, ring.size)
+        blocks = _Blocks(mods, layout, ring, q_BHSD.shape[2], docs, doc_BS)
+        plan = blocks.visible(ring_schedule(layout, causal, ring.size, ring.rank))
         acc = acc_dtype(q_BHSD.dtype)
         out_BHSD = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
         lse_BHS = torch.full(q_BHSD.shape[:3], -math.inf, dtype=acc, device=q_BHSD.device)
@@ -190,11 +217,9 @@ class _RingAttention(torch.autograd.Function):
                 received.append(kv)
             pending = ring.post(kv, _KV_TAG) if step < ring.size - 1 else None
             if blk is not None:
-                q_doc, kv_doc = _block_docs(docs, doc_BS, blk)
                 o_i, lse_i = attention_forward(
                     _half(q_BHSD, blk.q_half, 2), _half(kv[0], blk.kv_half, 2), _half(kv[1], blk.kv_half, 2),
-                    causal_kind="causal" if blk.causal else "none", scale=scale, q_doc_BS=q_doc,
-                    kv_doc_BS=kv_doc, backend=backend,
+                    scale=scale, backend=backend, **blocks.kwargs(blk),
                 )
                 merge_(_half(out_BHSD, blk.q_half, 2), _half(lse_BHS, blk.q_half, 2), o_i, lse_i)
             if pending is not None:
@@ -202,7 +227,7 @@ class _RingAttention(torch.autograd.Function):
         lse_BHS = add_sinks_(out_BHSD, lse_BHS, sinks_H)
         out = out_BHSD.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out, lse_BHS, *received)
-        ctx.opts = (group, plan, scale, backend, docs, doc_BS, grad_dtype, keep_kv)
+        ctx.opts = (group, plan, scale, backend, blocks, grad_dtype, keep_kv)
         ctx.sinks = sinks_H
         return out
 
@@ -210,7 +235,7 @@ class _RingAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout_BHSD):
         q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, *received = ctx.saved_tensors
-        group, plan, scale, backend, docs, doc_BS, grad_dtype, keep_kv = ctx.opts
+        group, plan, scale, backend, blocks, grad_dtype, keep_kv = ctx.opts
         ring = _Ring(group)
         acc = acc_dtype(q_BHSD.dtype)
         wire = grad_dtype or acc  # dK/dV travel in the reduce dtype; every rank adds in fp32
@@ -219,14 +244,13 @@ class _RingAttention(torch.autograd.Function):
         dsinks_H = sink_grad(ctx.sinks, dout_BHSD, out_BHSD, lse_BHS)
         if keep_kv:
             dq, dkv = _backward_kept(ring, plan, [kv, *received], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD,
-                                     scale, backend, docs, doc_BS, wire)
-            return dq.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype), *([None] * 8), dsinks_H
+                                     scale, backend, blocks, wire)
+            return dq.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype), *([None] * 8), dsinks_H, None
         dkv_pending = None
         for step, blk in enumerate(plan):
             kv_pending = ring.post(kv, _KV_TAG) if step < ring.size - 1 else None
             # this rank's dK/dV for the block in hand
-            own = _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, docs,
-                               doc_BS, acc)
+            own = _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, blocks, acc)
             if dkv_pending is not None:  # what the ranks before us accumulated for this block
                 own.add_(ring.wait(dkv_pending).to(acc))
             if ring.size == 1:
@@ -239,7 +263,7 @@ class _RingAttention(torch.autograd.Function):
         dkv = own if dkv_pending is None else ring.wait(dkv_pending)
         return (
             dq_BHSD.to(q_BHSD.dtype), dkv[0].to(k_BHSD.dtype), dkv[1].to(v_BHSD.dtype),
-            None, None, None, None, None, None, None, None, dsinks_H,
+            None, None, None, None, None, None, None, None, dsinks_H, None,
         )
 
 
@@ -272,18 +296,16 @@ def sink_grad(sinks_H, dout_BHSD, out_BHSD, lse_BHS):
     return -(p_sink_BHS * rows_BHS).sum(dim=(0, 2)).to(sinks_H.dtype)
 
 
-def _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, docs, doc_BS, acc):
+def _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend, blocks: _Blocks, acc):
     """dK/dV (fp32, [2, ...] like `kv`) of one block against the final out and lse; dQ added in place."""
     own = torch.zeros(kv.shape, dtype=acc, device=kv.device)
     if blk is None:
         return own
-    q_doc, kv_doc = _block_docs(docs, doc_BS, blk)
     dq_i, dk_i, dv_i = attention_backward(
         _half(dout_BHSD, blk.q_half, 2), _half(q_BHSD, blk.q_half, 2),
         _half(kv[0], blk.kv_half, 2), _half(kv[1], blk.kv_half, 2),
         _half(out_BHSD, blk.q_half, 2), _half(lse_BHS, blk.q_half, 2),
-        causal_kind="causal" if blk.causal else "none", scale=scale, q_doc_BS=q_doc,
-        kv_doc_BS=kv_doc, backend=backend,
+        scale=scale, backend=backend, **blocks.kwargs(blk),
     )
     _half(dq_BHSD, blk.q_half, 2).add_(dq_i)
     _half(own[0], blk.kv_half, 2).add_(dk_i)
@@ -291,25 +313,25 @@ def _block_grads(blk, kv, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, 
     return own
 
 
-def _backward_kept(ring: _Ring, plan, blocks, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend,
-                   docs, doc_BS, wire):
-    """Backward from the K/V blocks forward kept (`blocks[s]` came from rank - s): the other ranks'
+def _backward_kept(ring: _Ring, plan, kept, dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend,
+                   blocks: _Blocks, wire):
+    """Backward from the K/V blocks forward kept (`kept[s]` came from rank - s): the other ranks'
     blocks first, each block's dK/dV posted straight to its owner while the next is computed, then
     this rank's own block, to which the others' shares are added in fp32 as they arrive."""
     acc = dq_BHSD.dtype
     group = ring.group
     pending = []
     for step in range(1, ring.size):
-        grads = _block_grads(plan[step], blocks[step], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale,
-                             backend, docs, doc_BS, acc).to(wire)
+        grads = _block_grads(plan[step], kept[step], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale,
+                             backend, blocks, acc).to(wire)
         to = dist.get_global_rank(group, (ring.rank - step) % ring.size)
         frm = dist.get_global_rank(group, (ring.rank + step) % ring.size)
         recv = torch.empty_like(grads)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grads, to, group, _DKV_TAG + step),
                                         dist.P2POp(dist.irecv, recv, frm, group, _DKV_TAG + step)])
         pending.append((recv, works, grads))
-    dkv = _block_grads(plan[0], blocks[0], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend,
-                       docs, doc_BS, acc)
+    dkv = _block_grads(plan[0], kept[0], dout_BHSD, q_BHSD, out_BHSD, lse_BHS, dq_BHSD, scale, backend,
+                       blocks, acc)
     for recv, works, _ in pending:
         for w in works:
             w.wait()
@@ -338,6 +360,8 @@ def ring_attention(
     grad_dtype: torch.dtype | None = None,
     keep_kv: bool = False,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the local query shard against the whole (sharded) sequence; returns local out.
 
@@ -348,8 +372,11 @@ def ring_attention(
     its block's share in fp32. keep_kv: keep the received K/V blocks for backward (no K/V resent,
     dK/dV sent straight to their owners: the all-gather kind's bytes, (cp-1) more K/V shards held).
     sinks_H: one logit per local query head in every row's softmax denominator (gpt-oss), or None;
-    differentiable.
+    differentiable. softcap: scores c * tanh(x / c) (Gemma 2; explicit scores, `scores.py`). window:
+    causal attention within `window` positions (query i sees key j when i - j < window); blocks it
+    hides entirely are skipped.
     """
+    mods = ScoreMods(softcap, window).checked(causal)
     if dropout_p:
         raise ValueError(
             f"attention dropout_p={dropout_p} is not supported under ring attention: it would need the "
@@ -374,4 +401,4 @@ def ring_attention(
         doc_ids_BS = doc_ids_BS.to(q_BHSD.device)
     check_sinks(sinks_H, q_BHSD)
     return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, pg, layout, causal, scale, doc_ids_BS, backend,
-                                grad_dtype, bool(keep_kv), sinks_H)
+                                grad_dtype, bool(keep_kv), sinks_H, mods)

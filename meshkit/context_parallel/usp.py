@@ -60,12 +60,16 @@ def usp_attention(
     outer: str = "ring",
     grad_dtype: torch.dtype | None = None,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Local out shard of 2D (Ulysses x ring) attention; inputs sharded with `ulysses=U`.
 
     outer: "ring" (zig-zag ring over the outer ranks) or "allgather" (K/V gathered over them).
     grad_dtype: the dtype the outer kind sends dK/dV in (None: fp32). sinks_H: per-head attention
-    sinks of the local query heads; after the all-to-all each rank keeps its heads' sinks.
+    sinks of the local query heads; after the all-to-all each rank keeps its heads' sinks. softcap,
+    window: as in `ring_attention` (the outer kind applies them; the window's positions are the
+    ring rank's zig-zag piece, which the all-to-all reassembled).
     """
     if outer not in ("ring", "allgather"):
         raise ValueError(f"outer={outer!r}: USP's outer kind is 'ring' or 'allgather'")
@@ -85,8 +89,10 @@ def usp_attention(
         sinks_H = sinks_H[start:start + heads]
     if outer == "allgather":
         out_h = allgather_attention(q_h, k_h, v_h, outer_group, causal=causal, scale=scale, doc_ids_BS=docs,
-                                    backend=backend, grad_dtype=grad_dtype, sinks_H=sinks_H)
+                                    backend=backend, grad_dtype=grad_dtype, sinks_H=sinks_H, softcap=softcap,
+                                    window=window)
     else:
         out_h = ring_attention(q_h, k_h, v_h, outer_group, causal=causal, layout=layout, scale=scale,
-                               doc_ids_BS=docs, backend=backend, grad_dtype=grad_dtype, sinks_H=sinks_H)
+                               doc_ids_BS=docs, backend=backend, grad_dtype=grad_dtype, sinks_H=sinks_H,
+                               softcap=softcap, window=window)
     return heads_to_seq(out_h, inner)

@@ -123,7 +123,8 @@ def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: OptimizerFactory) -> FusedOptimizer:
-    """Build `optimizer_factory([p])` for every parameter of `pm` and step it inside backward.
+    """Build `optimizer_factory([p])` for every parameter of `pm` that trains (a LoRA model's frozen base
+    gets none) and step it inside backward.
 
     After this, `pm.forward_backward` updates the parameters itself: do not call an optimizer's
     `step`, `clip_grad_norm_` raises (no global norm exists before the updates), and every call is a
@@ -133,9 +134,9 @@ def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: Optimizer
     once the weights are materialised (after `init_weights` / loading on a meta-device model): without
     FSDP the hooks sit on the parameter tensors, which materialisation replaces.
     """
-    params = list(pm.parameters())
+    params = [p for p in pm.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("fuse_optimizer_into_backward: this rank holds no parameters")
+        raise ValueError("fuse_optimizer_into_backward: this rank holds no parameters that train")
     probe = optimizer_factory([nn.Parameter(torch.zeros(1))])
     if not isinstance(probe, torch.optim.Optimizer):
         raise ValueError(f"fuse_optimizer_into_backward: optimizer_factory must return a torch.optim.Optimizer, "

@@ -10,8 +10,8 @@ import sys
 
 from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate.core import estimate
-from meshkit.estimate.report import build_parser, device_from_args, parse_tokens, render
-from meshkit.estimate.spec import Workload, load_config
+from meshkit.estimate.report import build_parser, config_from_args, device_from_args, parse_tokens, render
+from meshkit.estimate.spec import Workload
 from meshkit.plan import Plan
 
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-flop-check", action="store_true", help="skip the FlopCounterMode cross-check")
     Plan.add_cli_args(parser)
     args = parser.parse_args(argv)
-    config = load_config(args.model)
+    config = config_from_args(args)
     plan = Plan.from_cli_args(args, Plan.from_string(args.plan))
     given = args.plan.replace(" ", "")
     if "param_dtype=" not in given and getattr(args, "plan_param_dtype", None) is None:

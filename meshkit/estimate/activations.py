@@ -37,6 +37,7 @@ from meshkit._compat.dispatch import fake_tensor_mode, storage_key
 from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate.spec import config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
+from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import quirks as quirks_lib
 from meshkit.models.hf_moe import identity_stand_in
@@ -51,7 +52,7 @@ _ROLE_PART = {("colwise", "attention"): "qkv_proj", ("kv_colwise", "attention"):
               ("packed_qkv", "attention"): "qkv_proj", ("rowwise", "attention"): "o_proj",
               ("colwise", "mlp"): "gate_up_proj", ("packed_gate_up", "mlp"): "gate_up_proj", ("rowwise", "mlp"): "down_proj",
               ("attention", ""): "attention", ("mlp", ""): "mlp_act", ("head_norm", "attention"): "attention",
-              ("row_norm", "attention"): "attention"}
+              ("row_norm", "attention"): "attention", ("latent", "attention"): "qkv_proj"}
 
 
 # ---------------------------------------------------------------------------------- the traces
@@ -100,7 +101,8 @@ def build_block(config_json: str, tp: int, vocab: int | None, dtype: str) -> tup
     """A one-block model of the TP-local shapes, as fake CPU tensors; cached per shape."""
     cfg = local_config(config_from_key(config_json), tp, vocab)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
+        # a LoRA model's block as PEFT wraps it (frozen base, adapters at the TP-local shapes)
+        model = peft_model.wrap(transformers.AutoModelForCausalLM.from_config(cfg), cfg).to(DTYPES[dtype])
     llama.check_supported(model)
     pin_attention(model)
     spec = moe_spec(cfg)  # routing is data-dependent: estimate.moe measures the MoE layer itself

@@ -17,6 +17,7 @@ from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.mesh import AXES
 from meshkit.models import roles
+from meshkit.pipeline.schedules import pipelines
 from meshkit.plan import Plan
 
 
@@ -80,7 +81,12 @@ class FsdpUnit:
     group: int      # ranks its parameters are sharded over
     axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
     regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
+    grad_elements: int = -1  # of `elements`, those with gradients (frozen LoRA bases have none); -1: all
     kept: int = 0   # of `count`, the units never freed after forward (each stage's last block)
+
+    def __post_init__(self) -> None:
+        if self.grad_elements < 0:
+            object.__setattr__(self, "grad_elements", self.elements)
 
     @property
     def regathered(self) -> int:
@@ -99,10 +105,12 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     share pp rank 0: a tied embedding is two units there (the embedding, and the head's copy, which
     its backward does read).
     """
-    units, fsdp, reshard = state.unit_elements, plan.dp_shard * plan.cp, plan.fsdp_reshard
+    units, grads = state.unit_elements, state.grad_unit_elements
+    fsdp, reshard = plan.dp_shard * plan.cp, plan.fsdp_reshard
     tied = getattr(config, "tie_word_embeddings", False)
     if units["embed"] and tied and plan.pp == 1:
         units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
+        grads = {**grads, "embed": 0, "head": grads["embed"] + grads["head"]}
     ends = stage_ranks(plan)
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
     # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
@@ -110,13 +118,15 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     last_kind = moe.block_kinds(config)[-1] if state.block_units else None
     stages = plan.pp_stages_per_rank if plan.pp > 1 else 1
     blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard,
-                       kept=min(stages, b.count) if b.kind == last_kind else 0)
+                       b.block_grad, kept=min(stages, b.count) if b.kind == last_kind else 0)
               for b in state.block_units]
-    out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False)]
+    out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False,
+                             grads["embed"])]
     if copies == 2:
-        out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard))
-    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False))
-    out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard)
+        out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard,
+                            grads["embed"]))
+    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False, grads["head"]))
+    out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard, b.expert_grad)
             for b in state.block_units if b.kind == "moe"]
     return [u for u in out if u.count]
 
@@ -178,21 +188,29 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                     (False, True): ("attention inputs", "o outputs", "conjugate")}.get(
                 (dense_blocks > 0, moe_blocks > 0), ("attention (+MLP in dense blocks) inputs",
                                                      "o (+down in dense blocks) outputs", "conjugates"))
+            free = state.grad_free_edges  # a LoRA model's backward stops before the first adapter
             add("tp", "all_gather", f"SP: {what[0]} (fwd), RS {what[2]} (bwd), recompute",
-                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec_ag) + edges), bsh, t, None)
+                m * (dense_blocks * (4 + rec_ag) + moe_blocks * (2 + moe_rec_ag) + edges - free), bsh, t, None)
             add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
-                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges), bsh, t, None)
+                m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges - free), bsh, t, None)
         if plan.sequence_parallel:
             # replicated norm weights see a sequence shard: their gradients are reduced once per call
-            add("tp", "all_reduce", "SP norm-weight gradients", workload.calls(plan) * (2 * blocks + int(last_stage)),
-                h * 4, t, None)
+            # (a LoRA model's norms are frozen: none)
+            add("tp", "all_reduce", "SP norm-weight gradients", 0 if state.frozen_norms else
+                workload.calls(plan) * (2 * blocks + int(last_stage)), h * 4, t, None)
         else:
             # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
             add("tp", "all_reduce", "TP: o/down outputs (fwd), attention/MLP input grads (bwd), recompute",
-                m * (blocks * (4 + (ac != "none")) + edges), bsh, t, None)
-        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows of
-            add("tp", "all_reduce", "row-selected weights (replicated K/V, packed projections): gradients",
+                m * (blocks * (4 + (ac != "none")) + edges - state.grad_free_edges), bsh, t, None)
+        if state.adapter_partial_tensors:  # LoRA halves every tp rank holds whole: their shares summed, in the
+            # compute dtype (the Partial gradient is redistributed before FSDP casts it to the reduce dtype)
+            add("tp", "all_reduce", "LoRA A (column bases) / B (row bases) gradients",
+                workload.calls(plan) * state.adapter_partial_tensors,
+                state.adapter_partial_elements * act / state.adapter_partial_tensors, t, None)
+        if state.tp_partial_tensors:  # whole weights each tp rank used only its rows or heads of
+            add("tp", "all_reduce", "whole weights with partial gradients (replicated K/V, packed projections, "
+                "MLA latents)",
                 workload.calls(plan) * state.tp_partial_tensors,
                 state.tp_partial_elements * 4 / state.tp_partial_tensors, t, None)
         if state.tp_summed_tensors:  # TP ranks fed different tokens through the same MoE weights
@@ -221,10 +239,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.regathered,
                     u.elements * act, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
-                u.elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
+                u.grad_elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
-            count = sum(u.count for u in dense)
-            total = sum(u.elements * u.count for u in dense)
+            count = sum(u.count for u in dense if u.grad_elements)
+            total = sum(u.grad_elements * u.count for u in dense)
             add("dp_replicate", "all_reduce", "HSDP: gradient shards", syncs * count, total * red / fsdp / count,
                 rep, t_bwd)
         if experts is not None:  # experts are their own unit, sharded over the fsdp/ep ranks holding them
@@ -291,16 +309,21 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     if plan.pp > 1:
         # Messages the busiest rank sends: each of its stages sends its output forward (but the last
         # stage) and its input gradient backward (but the first stage), once per microbatch.
-        owner = stage_ranks(plan)  # a boundary between two stages of one rank (the V's turn) sends nothing
-        stages = len(owner)
-        sends = max(sum((s < stages - 1 and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
+        # Under DualPipe each of a rank's two stages carries one direction's half of the microbatches.
+        owner, chains = stage_ranks(plan), pipelines(plan.pp_schedule)
+        stages, per_chain = len(owner), len(owner) // chains
+        sends = max(sum((s % per_chain < per_chain - 1 and owner[s + 1] != r) + (s % per_chain > 0 and owner[s - 1] != r)
                         for s in range(stages) if owner[s] == r) for r in range(plan.pp))
         boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
-        add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m, boundary, 2, 0.0)
+        add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m // chains, boundary,
+            2, 0.0)
         if out and out[-1].axis == "pp":  # sends are asynchronous: only the fill and drain wait on them
             c = out[-1]
             out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
         if state.tied_copy_elements:  # first and last stage sum their tied-embedding copies' gradients
             add("pp", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
                 shard_sums, state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
+        if chains == 2:  # DualPipe: pp ranks r and pp-1-r hold the same layers; one flat fp32 all-reduce
+            add("pp", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
+                (state.trained_params + state.trained_tensors) * 4, 2, None)  # + one presence flag per tensor
     return out

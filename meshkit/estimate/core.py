@@ -20,6 +20,7 @@ communication that does not hide + what offload adds. docs/estimate.md has the d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
@@ -37,7 +38,7 @@ from meshkit.estimate.offload import OffloadCost, offload_cost
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama, roles
-from meshkit.pipeline.schedules import build_schedule
+from meshkit.pipeline.schedules import build_schedule, stage_chunks
 from meshkit.pipeline.simulate import Costs, simulate
 from meshkit.pipeline.split import split_layers
 from meshkit.plan import Plan
@@ -59,11 +60,12 @@ class StageCosts(Costs):
 
 @functools.lru_cache(maxsize=128)
 def _simulate(schedule: str, pp: int, m: int, v: int, recompute: Fraction,
-              weights: tuple[Fraction, ...] | None = None) -> Any:
+              weights: tuple[Fraction, ...] | None = None, memory_limit: int | None = None) -> Any:
     """meshkit's pipeline simulator in units of one stage forward (B = F + recompute, W = F), every
-    stage alike or, with `weights`, each stage's costs scaled by its weight."""
+    stage alike or, with `weights`, each stage's costs scaled by its weight. zb_auto's schedule is
+    built at these costs (the device's, from FLOPs) within `memory_limit`."""
     costs = Costs(1, 1 + recompute, 1) if weights is None else StageCosts(1, 1 + recompute, 1, weights=weights)
-    return simulate(build_schedule(schedule, pp, m, v), costs)
+    return simulate(build_schedule(schedule, pp, m, v, costs=costs, memory_limit=memory_limit), costs)
 
 
 def stage_weights(config: Any, plan: Plan, seq: int) -> tuple[Fraction, ...] | None:
@@ -78,8 +80,9 @@ def stage_weights(config: Any, plan: Plan, seq: int) -> tuple[Fraction, ...] | N
     heads, d_qk, d_v = roles.score_value_dims(config)
     cost = [2 * metrics.active_block_params(config, i) + 2 * heads * (d_qk + d_v) * seq
             for i in range(config.num_hidden_layers)]
-    ranges = split_layers(config.num_hidden_layers, plan.pp * plan.pp_stages_per_rank, list(plan.pp_split) or None)
-    per_stage = [sum(cost[i] for i in r) for r in ranges]
+    chunks = stage_chunks(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank)
+    ranges = split_layers(config.num_hidden_layers, max(chunks) + 1, list(plan.pp_split) or None)
+    per_stage = [sum(cost[i] for i in ranges[c]) for c in chunks]
     mean = Fraction(sum(per_stage), len(per_stage))
     return tuple((c / mean).limit_denominator(64) for c in per_stage)
 
@@ -95,33 +98,37 @@ class PipelineTiming:
 
 # Schedules whose steady state repeats per microbatch: after the warm-up, every further microbatch
 # adds exactly its own work to every rank and nothing to the idle time or the in-flight peak.
-_STEADY = ("1f1b", "zb_h1", "interleaved_1f1b", "zb_h2", "zb_v", "dualpipe_v")
+_STEADY = ("1f1b", "zb_h1", "interleaved_1f1b", "zb_h2", "zb_v", "dualpipe_v", "dualpipe", "zb_auto")
 
 
 def pipeline_timing(schedule: str, pp: int, m: int, v: int, recompute: Fraction,
-                    weights: tuple[Fraction, ...] | None = None) -> PipelineTiming:
+                    weights: tuple[Fraction, ...] | None = None, memory_limit: int | None = None) -> PipelineTiming:
     """The simulator's timing of one call, simulated at most ~4 rounds of pp microbatches deep.
 
     Replaying 128 microbatches costs a second in exact arithmetic and a search asks for hundreds of
     shapes; for the steady-state schedules the makespan beyond 4*pp microbatches grows by exactly
-    v*(F+B+W) per microbatch (tests compare against full simulations), so longer calls extend a
-    shorter simulation rather than replaying it. With per-stage `weights` (`stage_weights`) the
-    growth per microbatch is the one measured between that simulation and one pp microbatches
-    deeper (the slowest rank's work per microbatch once the steady state is reached).
+    one microbatch's work per rank (F+B+W of each stage it passes on the rank: v of them, one under
+    DualPipe, whose microbatch passes each chunk once, on one of its two ranks) per microbatch
+    (tests compare against full simulations), so longer calls extend a shorter simulation rather than
+    replaying it. With per-stage `weights` (`stage_weights`) the growth per microbatch is the one
+    measured between that simulation and one pp microbatches deeper (the slowest rank's work per
+    microbatch once the steady state is reached).
     """
     cap = m % pp + 4 * pp  # keeps interleaving's grouping (first group pp + m % pp, then groups of pp)
     m_sim = cap if schedule in _STEADY and m > cap else m
-    sim = _simulate(schedule, pp, m_sim, v, recompute, weights)
+    sim = _simulate(schedule, pp, m_sim, v, recompute, weights, memory_limit)
+    chains = sim.schedule.pipelines
+    path = sim.schedule.num_stages // chains  # the stages one microbatch passes through
     if weights is None:
-        per_microbatch = Fraction(v * (3 + recompute))
+        per_microbatch = Fraction(path * (3 + recompute), pp)
     elif m > m_sim:
-        deeper = _simulate(schedule, pp, m_sim + pp, v, recompute, weights)
+        deeper = _simulate(schedule, pp, m_sim + pp, v, recompute, weights, memory_limit)
         per_microbatch = (deeper.step_time - sim.step_time) / pp
     else:
         per_microbatch = Fraction(0)
     step = sim.step_time + (m - m_sim) * per_microbatch
     # Each further microbatch adds every stage's work; what the makespan grows beyond it is idle.
-    work = (3 + recompute) * (sum(weights, Fraction(0)) if weights is not None else pp * v)
+    work = (3 + recompute) * (sum(weights, Fraction(0)) / chains if weights is not None else path)
     idle = step * pp - (sum(sim.busy, Fraction(0)) + (m - m_sim) * work)
     return PipelineTiming(step, idle / (step * pp), sim.peak_activations)
 
@@ -175,6 +182,17 @@ def _mean_active_params(config: Any) -> float:
     return _MEAN_ACTIVE[key]
 
 
+def _backward_ratio(flops: metrics.FlopsPerToken, state: Any) -> float:
+    """Backward over forward FLOPs: 2 when every weight trains; a LoRA model computes the input
+    gradients of its frozen weights but not their weight gradients, so its dense part costs about
+    (1 + trainable share) of the forward. (Pipeline schedules are simulated at full fine-tuning's
+    costs, an upper bound for LoRA.)"""
+    if flops.model == 0 or state.held_trainable == state.held_elements:
+        return 2.0
+    trainable = state.held_trainable / max(state.held_elements, 1)
+    return (flops.dense / 3 * (1 + trainable) + 2 * flops.attention / 3) / (flops.model / 3)
+
+
 def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: Device | str = "h100") -> Estimate:
     """Memory, FLOPs, communication and step time of one plan. pp/cp/ep degrees meshkit does not run
     yet are estimated all the same; `plan_search` marks them."""
@@ -192,11 +210,15 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     heads, d_qk, d_v = roles.score_value_dims(config)
     # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block
     # transfer (FSDP's gather of the next block) can hide behind.
+    # MLA's down-projections run whole on every tp rank: (tp - 1) more copies of their FLOPs, per rank 1/tp
+    replicated = 2 * roles.tp_replicated_params(config) * (plan.tp - 1)
     mean_active = _mean_active_params(config)
-    t_layer_fwd = (2 * mean_active + 2 * heads * (d_qk + d_v) * workload.seq) * share
-    t_layer_rec = flops.recompute * share / config.num_hidden_layers
-    t_stage_fwd = flops.model / 3 * share / plan.pp
-    t_stage_rec = flops.recompute * share / plan.pp
+    t_layer_fwd = (2 * mean_active + replicated + 2 * heads * (d_qk + d_v) * workload.seq) * share
+    t_layer_rec = (flops.recompute / config.num_hidden_layers
+                   + replicated * (plan.activation_checkpointing == "full")) * share
+    t_stage_fwd = (flops.model / 3 + replicated * config.num_hidden_layers) * share / plan.pp
+    t_stage_rec = (flops.recompute + replicated * config.num_hidden_layers * (plan.activation_checkpointing == "full")
+                   ) * share / plan.pp
     state0 = model_state(config, plan, pp_rank=stage_ranks(plan)[-1])
     comm = communication(config, plan, workload, device, state0, t_layer_fwd, t_layer_rec)
     sim = None
@@ -209,11 +231,14 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
         v = plan.pp_stages_per_rank
         recompute = Fraction(t_stage_rec / t_stage_fwd).limit_denominator(8) if t_stage_fwd else Fraction(0)
         sim = pipeline_timing(plan.pp_schedule, plan.pp, plan.microbatches, v, recompute,
-                              stage_weights(config, plan, workload.seq))
-        compute = workload.calls(plan) * float(sim.step_time) * t_stage_fwd / v
+                              stage_weights(config, plan, workload.seq), plan.pp_memory_limit)
+        # A simulated unit is one stage's forward: 1/v of a rank's layers (DualPipe: one chunk, 1/pp of them).
+        compute = workload.calls(plan) * float(sim.step_time) * t_stage_fwd * plan.pp / plan.pp_chunks
         bubble = float(sim.bubble_fraction)
     else:
-        compute, bubble = workload.microbatches * (3 * t_stage_fwd + t_stage_rec), 0.0
+        compute, bubble = workload.microbatches * ((1 + _backward_ratio(flops, state0)) * t_stage_fwd + t_stage_rec), 0.0
+    if state0.held_trainable != state0.held_elements:  # LoRA: model FLOPs without the frozen weights' gradients
+        flops = dataclasses.replace(flops, dense=flops.dense * (1 + _backward_ratio(flops, state0)) / 3)
     ranks = [rank_memory(config, plan, workload, r, sim.peak_activations[r] if sim is not None else 1)
              for r in range(plan.pp)]
     exposed = sum(c.exposed for c in comm)
@@ -249,5 +274,9 @@ def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:
     params = metrics.block_params(config) - 2 * config.hidden_size
     if moe.block_kinds(config)[0] == "moe":  # build_block made block 0's MLP an Identity
         params -= 3 * config.hidden_size * config.intermediate_size
-    formula = 6.0 * params * seq + 6.0 * heads * (d_qk + d_v) * seq * seq
+    # A LoRA block: the frozen base's forward and input gradients (4 per weight), the adapters' all 6.
+    frozen = any(not p.requires_grad for p in block.parameters())
+    adapter = sum(p.numel() for p in block.parameters() if p.requires_grad) if frozen else 0
+    dense = 6.0 * params if not adapter else 4.0 * params + 6.0 * adapter
+    formula = dense * seq + 6.0 * heads * (d_qk + d_v) * seq * seq
     return float(counter.get_total_flops()), formula

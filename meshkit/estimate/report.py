@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from meshkit import metrics
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
 from meshkit.estimate.memory import model_state
-from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB
+from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, load_config
+from meshkit.integrations.peft.model import lora_of, with_lora
 from meshkit.models import roles
 from meshkit.plan import Plan
 
@@ -79,7 +81,8 @@ def render(e: Estimate, check_flops: bool = True) -> str:
              f"meshkit FSDP2: {s.persistent / GiB:.2f} + buffers")
     f = e.flops
     world_flops = f.model * e.tokens_per_step
-    L.append("\nFLOPs (model = 6*N_nonembedding + 12*L*h_attn*s per token; hardware adds recompute)")
+    lora = "; LoRA: the frozen base computes no weight gradients" if lora_of(c) else ""
+    L.append(f"\nFLOPs (model = 6*N_nonembedding + 12*L*h_attn*s per token{lora}; hardware adds recompute)")
     L.append(f"  per token: model {f.model / 1e9:.2f} GFLOP, hardware {f.hardware / 1e9:.2f} GFLOP")
     L.append(f"  per step: {world_flops / 1e15:.1f} PFLOP model, {world_flops / p.world_size / 1e12:.1f} TFLOP per rank")
     if check_flops:
@@ -142,7 +145,18 @@ def build_parser(description: str = "", prog: str | None = None) -> argparse.Arg
     parser.add_argument("--host-gbps", type=float, help="host <-> device GB/s per GPU per direction (offload)")
     parser.add_argument("--host-memory-gib", type=float, help="host memory per GPU (offload)")
     parser.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak for compute")
+    parser.add_argument("--lora-r", type=int, help="train a LoRA adapter of this rank, the base frozen (PEFT)")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                        help="comma-separated target_modules of the LoRA adapter (with --lora-r)")
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The model's config from `--model`, carrying `--lora-r`/`--lora-targets` when LoRA is asked for."""
+    config = load_config(args.model)
+    if args.lora_r:
+        config = with_lora(config, args.lora_r, [t for t in args.lora_targets.split(",") if t])
+    return config
 
 
 def device_from_args(args: argparse.Namespace) -> Device:

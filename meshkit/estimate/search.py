@@ -18,22 +18,28 @@ what dominated it, or that the global batch is too small for its data-parallel d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import transformers
 from tqdm.auto import tqdm
 
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, estimate
-from meshkit.estimate.report import build_parser, device_from_args, parse_tokens
-from meshkit.estimate.spec import DEVICES, Device, GiB, Workload, load_config
+from meshkit.estimate.report import build_parser, config_from_args, device_from_args, parse_tokens
+from meshkit.estimate.spec import DEVICES, Device, GiB, Workload, config_from_key, config_key
+from meshkit.integrations.peft import model as peft_model
+from meshkit.models.moe import convert_moe_blocks
 from meshkit.plan import Plan, PlanError
 
 AC_ORDER = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
-SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1))
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1),
+                      ("dualpipe", 1), ("zb_auto", 1))
 
 
 def budget(device: Device, fraction: float = 0.9) -> float:
@@ -42,8 +48,26 @@ def budget(device: Device, fraction: float = 0.9) -> float:
 
 
 def check_structure(plan: Plan, config: Any, world: int, seq: int) -> None:
-    """`plan.validate`: divisibility, heads, vocab and sequence length for this model and world."""
+    """`plan.validate`: divisibility, heads, vocab and sequence length for this model and world; for
+    a LoRA model also whether every adapter can follow its base under the plan's tp."""
     plan.validate(config, world, seq)
+    if peft_model.lora_of(config) is not None and plan.tp > 1:
+        problems = _lora_tp_problems(config_key(config), plan.tp)
+        if problems:
+            raise PlanError.of(*problems)
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_tp_problems(config_json: str, tp: int) -> tuple[str, ...]:
+    """What `parallelize` would refuse of a LoRA model's adapters under `tp`, on a one-block meta model
+    of the config (cached: a search asks once per layout)."""
+    cfg = config_from_key(config_json)
+    cfg.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if moe.model_experts(cfg) is not None:
+        convert_moe_blocks(model)
+    return tuple(peft_model.tp_problems(peft_model.wrap(model, cfg), tp))
 
 
 @dataclass(frozen=True)
@@ -291,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
     args = parser.parse_args(argv)
-    config = load_config(args.model)
+    config = config_from_args(args)
     device = device_from_args(args)
     result = search(config, args.world, args.seq, parse_tokens(args.global_batch_tokens), device,
                     top=args.top, mfu=args.mfu,

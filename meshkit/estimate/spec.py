@@ -168,6 +168,9 @@ class ParamSpec:
     tp_summed: bool = False  # an MoE weight TP leaves whole: its gradient is all-reduced over tp
     kind: str = "dense"  # block and expert tensors: the kind of block ("dense" or "moe") they belong to
     role: str = ""  # the TP role of the layer holding it (models/roles.block_roles), "" outside blocks
+    trainable: bool = True  # False: frozen (a LoRA model's base), no gradient and no optimizer state
+    adapter: str = ""  # "lora_A" / "lora_B": a LoRA adapter tensor (placed by `tensor_parallel.lora`)
+    attention: bool = False  # an adapter of an attention linear
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,14 @@ class BlockUnits:
     count: int    # blocks of this kind on the rank
     block: int    # one block's own unit (an MoE block's router and shared expert included)
     expert: int   # one block's expert unit (0 for a dense block)
+    block_grad: int = -1   # of `block`, the elements with gradients (padded); -1: all (no frozen weights)
+    expert_grad: int = -1  # of `expert`, likewise
+
+    def __post_init__(self) -> None:
+        if self.block_grad < 0:
+            object.__setattr__(self, "block_grad", self.block)
+        if self.expert_grad < 0:
+            object.__setattr__(self, "expert_grad", self.expert)
 
 
 @dataclass(frozen=True)
@@ -198,9 +209,31 @@ class ModelState:
     held_elements: int = 0       # elements of this rank's parameters before FSDP shards them (TP/ep-local)
     block_units: tuple[BlockUnits, ...] = ()  # the rank's blocks by kind (dense, moe)
     # Weights TP keeps whole on every tp rank, each rank computing only its rows (replicated K/V heads,
-    # packed projections: tensor_parallel.rows): their gradients are Partial, all-reduced over tp.
+    # packed projections: tensor_parallel.rows) or serving only its heads (MLA's latent layers): their
+    # gradients are Partial, all-reduced over tp.
     tp_partial_tensors: int = 0
     tp_partial_elements: int = 0  # their elements on this rank before FSDP shards them
+    tensors: int = 0  # parameter tensors on this rank
+    # Of `held_elements` and `unit_elements`, what has gradients (a LoRA model's adapters; everything
+    # without frozen weights: None). Gradient buffers, reductions and optimizer state follow these.
+    held_trainable: int | None = None
+    grad_unit_elements: dict[str, int] | None = None
+    trained_params: int | None = None   # of `params`, elements with gradients (this rank's shards)
+    trained_tensors: int | None = None  # of `tensors`, those with gradients
+    adapter_partial_tensors: int = 0   # LoRA halves replicated over tp (A of a column base, B of a row base)
+    adapter_partial_elements: int = 0  # their elements on this rank before FSDP shards them
+    grad_free_edges: int = 0  # first-stage SP/TP conjugates backward skips (frozen embedding: `memory`)
+    frozen_norms: bool = False  # the residual norms train not (LoRA): no norm-weight gradient sums over tp
+
+    def __post_init__(self) -> None:
+        if self.held_trainable is None:
+            object.__setattr__(self, "held_trainable", self.held_elements)
+        if self.grad_unit_elements is None:
+            object.__setattr__(self, "grad_unit_elements", dict(self.unit_elements))
+        if self.trained_params is None:
+            object.__setattr__(self, "trained_params", self.params)
+        if self.trained_tensors is None:
+            object.__setattr__(self, "trained_tensors", self.tensors)
 
     @property
     def block_elements(self) -> int:

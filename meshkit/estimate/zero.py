@@ -81,8 +81,8 @@ def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: boo
         plan.offload != "none"
     act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
     gathered = gathered_elements(state) * act if sharded and plan.zero < 3 else 0
-    full = state.held_elements * red if sharded else 0
-    if sharded and config is not None and plan.tp > 1 and state.unit_elements["embed"] > 0:
+    full = state.held_trainable * red if sharded else 0  # frozen weights (LoRA's base) have no gradient
+    if sharded and config is not None and plan.tp > 1 and state.grad_unit_elements["embed"] > 0:
         full += config.vocab_size * config.hidden_size * (plan.tp - 1) // plan.tp * red
     grads = 0 if fused else state.grad_bytes
     host = state.param_bytes + grads + state.optimizer_bytes if plan.offload != "none" else 0

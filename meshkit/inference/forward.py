@@ -32,8 +32,8 @@ from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.data_parallel.fsdp import reshard_fsdp
 from meshkit.local_tensor import local_tensor
 from meshkit.mesh import axis
-from meshkit.models import llama
 from meshkit.pipeline.p2p import wire_tensor
+from meshkit.pipeline.schedules import first_pipeline, stage_placement
 from meshkit.plan import DTYPES
 from meshkit.step.batch import peer_agreement_problem
 from meshkit.step.consensus import raise_if_any
@@ -66,8 +66,7 @@ def ids_problem(input_ids, position_ids, config, what: str = "input_ids") -> str
     if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
                                      or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)):
         return f"position_ids must be [1 or {batch}, {seq}], got {getattr(position_ids, 'shape', position_ids)}"
-    problems = llama.check_config(config, seq)
-    return problems[0] if problems else None
+    return None
 
 
 def check_inputs(pm: ParallelModel, input_ids, problem: str | None) -> None:
@@ -117,8 +116,10 @@ def stage_inputs(pm: ParallelModel, input_ids: torch.Tensor, position_ids: torch
 def run_stages(pm: ParallelModel, inputs: StageInputs, cache=None) -> torch.Tensor | None:
     """This rank's stages on the whole local batch; the last stage's output (logits), None elsewhere.
 
-    Under pp the stages run in order, each rank receiving the previous stage's hidden states and
-    sending its own on by point-to-point messages; with virtual stages a rank runs several of them.
+    Under pp the stages of the schedule's first pipeline run in order (all stages; DualPipe's down
+    pipeline), each rank receiving the previous stage's hidden states and sending its own on by
+    point-to-point messages, or handing them on locally when the next stage is its own (the V's tip);
+    with several stages per rank a rank runs several of them.
     """
     kwargs = {"doc_ids": inputs.doc_ids, "cache": cache}
     stages = pm.stages
@@ -128,22 +129,33 @@ def run_stages(pm: ParallelModel, inputs: StageInputs, cache=None) -> torch.Tens
     plan = pm.plan
     pp_axis = axis(pm.mesh, "pp")
     group, me = pp_axis.get_group(), pp_axis.get_local_rank()
-    num_stages = plan.pp * plan.pp_virtual_stages
+    order = first_pipeline(plan.pp_schedule, plan.pp, plan.pp_virtual_stages)
+    owner = stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank)
     batch, local_seq = inputs.input_ids.shape
     sp = plan.tp if plan.tp > 1 and plan.sequence_parallel else 1
     hidden_shape = (batch, local_seq // sp, pm.model.config.hidden_size)
     hidden = None
-    for s in range(num_stages):
-        if s % plan.pp != me:
+    for s in order:
+        if owner[s] != me:
             continue
-        if s > 0:
+        if s > 0 and owner[s - 1] != me:
             hidden = torch.empty(hidden_shape, dtype=DTYPES[plan.param_dtype], device=pm.device)
-            dist.recv(hidden, src=dist.get_global_rank(group, (s - 1) % plan.pp), group=group)
+            dist.recv(hidden, src=dist.get_global_rank(group, owner[s - 1]), group=group)
         out = stages[s](inputs.input_ids if s == 0 else hidden, inputs.position_ids, **kwargs)
-        if s == num_stages - 1:
+        if s == order[-1]:
             return out
-        dist.send(wire_tensor(out), dst=dist.get_global_rank(group, (s + 1) % plan.pp), group=group)
+        if owner[s + 1] == me:
+            hidden = wire_tensor(out)
+        else:
+            dist.send(wire_tensor(out), dst=dist.get_global_rank(group, owner[s + 1]), group=group)
     return None
+
+
+def last_stage_rank(pm: ParallelModel) -> int:
+    """The pp rank whose stage ends the first pipeline (the logits' source): pp-1, or 0 under a V."""
+    plan = pm.plan
+    order = first_pipeline(plan.pp_schedule, plan.pp, plan.pp_virtual_stages)
+    return stage_placement(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank)[order[-1]]
 
 
 def vocab_sharded(pm: ParallelModel) -> bool:
@@ -159,7 +171,7 @@ def to_every_pp_rank(pm: ParallelModel, local: torch.Tensor | None, shape: tuple
     if local is None:
         local = torch.empty(shape, dtype=torch.float32, device=pm.device)
     group = pp_axis.get_group()
-    dist.broadcast(local, src=dist.get_global_rank(group, pm.plan.pp - 1), group=group)
+    dist.broadcast(local, src=dist.get_global_rank(group, last_stage_rank(pm)), group=group)
     return local
 
 

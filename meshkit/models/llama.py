@@ -44,8 +44,16 @@ class CausalLMParts:
 
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF `*ForCausalLM` of `model`: itself, or the one a PEFT `PeftModel` wraps (`get_base_model`),
+    whose targeted linears are LoRA layers. Structure is read from it, state-dict names from `model`."""
+    unwrap = getattr(model, "get_base_model", None)
+    return unwrap() if callable(unwrap) and isinstance(getattr(model, "peft_config", None), dict) else model
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise a ValueError naming what is missing when `model` is not a Llama-family causal LM."""
+    model = causal_lm(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     inner = getattr(model, "model", None)
@@ -76,6 +84,7 @@ def check_supported(model: nn.Module) -> None:
 
 def parts(model: nn.Module) -> CausalLMParts:
     """The model's parts, after `check_supported`."""
+    model = causal_lm(model)
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
     return CausalLMParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, inner.rotary_emb, tied,
@@ -95,8 +104,10 @@ def untie_for_pipeline(model: nn.Module, keep_copy: bool) -> dict[str, str]:
         return {}
     weight = p.embed.weight
     copy = weight.detach().clone() if keep_copy else torch.empty_like(weight, device="meta")
-    model.lm_head.weight = nn.Parameter(copy, requires_grad=weight.requires_grad)
-    return {"lm_head.weight": "model.embed_tokens.weight"}
+    lm = causal_lm(model)
+    lm.lm_head.weight = nn.Parameter(copy, requires_grad=weight.requires_grad)
+    prefix = next(f"{name}." if name else "" for name, module in model.named_modules() if module is lm)
+    return {f"{prefix}lm_head.weight": f"{prefix}model.embed_tokens.weight"}
 
 
 
@@ -108,53 +119,6 @@ def has_moe(block: nn.Module) -> bool:
 def moe_modules(parts: CausalLMParts) -> list[MoE]:
     """The meshkit MoE layers of the model's blocks (empty for a dense model)."""
     return [block.mlp for block in parts.blocks if isinstance(getattr(block, "mlp", None), MoE)]
-
-
-def sliding_window_in_effect(config) -> int | None:
-    """The sliding window some layers of this model attend within, or None.
-
-    Read from the config as HF's attention modules read it: `sliding_window`, unless a
-    `use_sliding_window` flag turns it off (Qwen2/3, SmolLM3) or no entry of `layer_types` is a
-    sliding layer.
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
-RING_KINDS = ("ring", "zigzag", "allgather", "usp")  # the kinds that run the plain causal kernel on blocks
-
-
-def check_config(config, seq_len: int | None, cp_attention: str | None = None) -> list[str]:
-    """Model-specific problems a Plan cannot know about: attention quirks the ring kinds of context
-    parallelism do not apply (`cp_attention`: the plan's kind when cp > 1, else None).
-
-    Ring attention merges per-block log-sum-exps with a plain causal mask; a window shorter than the
-    sequence or soft-capped scores change every block's scores, so those models need Ulysses (whole
-    sequences per rank) or cp = 1. Sinks add one term to the merged denominator, which every
-    merging kind applies after its last block (`ring.add_sinks_`).
-    """
-    if cp_attention not in RING_KINDS:
-        return []
-    problems = []
-    window = sliding_window_in_effect(config)
-    if window is not None and seq_len is not None and seq_len > window:
-        problems.append(
-            f"seq_len={seq_len}: the model attends within a sliding window of {window} tokens, which "
-            f"cp_attention={cp_attention!r} does not apply; fix: cp_attention='ulysses', or sequences of at most "
-            f"{window} tokens"
-        )
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        problems.append(
-            f"attn_logit_softcapping={softcap}: soft-capped attention scores are not applied by "
-            f"cp_attention={cp_attention!r} (it merges plain causal blocks); fix: cp_attention='ulysses'"
-        )
-    return problems
 
 
 def use_attention(model: nn.Module, implementation: str) -> None:

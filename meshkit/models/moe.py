@@ -176,6 +176,16 @@ def convert_moe_blocks(model: nn.Module, **options: Any) -> list[MoE]:
     return moe_layers(model)
 
 
+def expert_computed_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules meshkit's `MoE` layer computes from their weights, never by calling them: each
+    decoder block's HF sparse MoE block or `MoE` layer, and, for a Llama-MoE config, every block's MLP
+    (conversion replaces it). An adapter inside one of them would be ignored (PEFT integration)."""
+    blocks = _decoder_blocks(model)
+    llama_moe = _is_llama_moe(getattr(model, "config", None)) and not any(map(is_hf_moe_block, model.modules()))
+    mlps = [getattr(block, "mlp", None) for block in blocks]
+    return [m for m in mlps if m is not None and (llama_moe or isinstance(m, MoE) or is_hf_moe_block(m))]
+
+
 def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)

@@ -18,6 +18,17 @@ Roles (names relative to the block):
   head_norm           a q/k norm over head_dim, shared by all heads
   row_norm            a q/k norm over the whole projection (all heads: OLMo-2); needs the full row
   attention / mlp     modules whose input leaves the sequence-sharded region under SP
+
+Multi-head latent attention (DeepSeek-V3: `kv_lora_rank` set; its config declares no attention plan)
+splits by heads as well: the up-projections `q_b_proj` (or `q_proj` without a q latent) and
+`kv_b_proj` are colwise (both lay their output out head-major, [nope | rope] of q and [k_nope | v] of
+kv per head, so a contiguous row shard is whole heads) and `o_proj` rowwise. The heads share two
+low-rank latents, and the rope key inside the kv one:
+  latent              a down-projection or latent norm (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa,
+                      kv_a_layernorm): weight replicated, computed whole by every rank for the whole
+                      sequence; its gradient, from this rank's heads only, is a partial sum over tp.
+                      Not on the sequence shard under SP: HF's attention reads the sequence length
+                      from its input, so that input must be the gathered sequence.
 """
 
 from __future__ import annotations
@@ -98,6 +109,15 @@ def attention_params(config) -> int:
     return q + kv + heads * d_v * h + bias
 
 
+def tp_replicated_params(config) -> int:
+    """Weights of one block whose matmuls every tp rank computes whole, for the whole sequence: multi-head
+    latent attention's down-projections (`latent` role; their norms feed no matmul), 0 for other
+    attention. What tensor parallelism does not divide of a block's FLOPs."""
+    if not getattr(config, "kv_lora_rank", None):
+        return 0
+    return config.hidden_size * ((config.q_lora_rank or 0) + config.kv_lora_rank + config.qk_rope_head_dim)
+
+
 def declared_block_plan(config) -> dict[str, str]:
     """The config's tensor-parallel plan for one decoder block: {name in block: HF style}; Llama's
     when the config declares nothing for the blocks."""
@@ -144,11 +164,13 @@ def block_roles(block: nn.Module, config) -> dict[str, str]:
             roles[name] = "seq_norm"
         elif name in ("self_attn", "mlp"):
             roles[name] = "attention" if name == "self_attn" else "mlp"
+    latent = _latent_roles(modules, config)
+    roles.update(latent)  # the model declares no attention plan for them
     mlp_is_moe = type(modules.get("mlp")).__name__ == "MoE"
     for name, style in declared_block_plan(config).items():
-        if name not in modules or (mlp_is_moe and name.startswith("mlp")):
+        if name not in modules or (mlp_is_moe and name.startswith("mlp")) or name in latent:
             continue
-        module = modules[name]
+        module = getattr(modules[name], "base_layer", modules[name])  # a PEFT LoRA layer: the linear it wraps
         if style == "replicated_with_grad_allreduce":
             roles[name] = "head_norm"
             continue
@@ -172,6 +194,16 @@ def block_roles(block: nn.Module, config) -> dict[str, str]:
         if parent == "self_attn" and leaf in ("q_norm", "k_norm") and _is_norm(module):
             roles[name] = "head_norm" if module.weight.shape[-1] == head_dim else "row_norm"
     return roles
+
+
+def _latent_roles(modules: dict[str, nn.Module], config) -> dict[str, str]:
+    """Roles of a multi-head latent attention's layers (module docstring), {} for any other attention."""
+    if not getattr(config, "kv_lora_rank", None) or "self_attn.kv_a_proj_with_mqa" not in modules:
+        return {}
+    roles = {"self_attn.q_a_proj": "latent", "self_attn.q_a_layernorm": "latent", "self_attn.q_b_proj": "colwise",
+             "self_attn.q_proj": "colwise", "self_attn.kv_a_proj_with_mqa": "latent",
+             "self_attn.kv_a_layernorm": "latent", "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise"}
+    return {name: role for name, role in roles.items() if name in modules}
 
 
 def outputs_edited_in_place(roles: dict[str, str], config) -> list[str]:
@@ -276,14 +308,18 @@ def tp_degree_problem(config, tp: int) -> str | None:
     """Why `tp` cannot split this model's attention, naming the largest degree that works, or None.
 
     Query heads must split evenly; K/V heads must either split evenly or be a divisor of tp (then
-    they are replicated), so that every rank's query heads read whole K/V heads.
+    they are replicated), so that every rank's query heads read whole K/V heads. Multi-head latent
+    attention has a K and V per query head, so only the query heads count.
     """
     heads, kv_heads, _ = attention_dims(config)
     if tp > 1 and getattr(config, "kv_lora_rank", None):
-        return (f"tp={tp}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V3) computes its "
-                f"q and kv latents and the shared rope key once for all heads; meshkit does not split it over tp "
-                f"(the model declares no attention tp plan either), so the largest tp that works is 1; fix: tp=1 "
-                f"and shard with dp_shard, cp, pp and ep")
+        if heads % tp == 0:  # every head has its own K and V: only the query heads must split
+            return None
+        ok = [d for d in range(1, heads + 1) if heads % d == 0]
+        return (f"tp={tp}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}) splits its "
+                f"num_attention_heads={heads} heads evenly over tp (each rank up-projects the shared latents "
+                f"for its own heads); the largest tp that works is {max(d for d in ok if d <= tp)}; fix: use a tp "
+                f"in {ok}")
     if tp <= 1 or (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         return None
     ok = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]

@@ -1,5 +1,6 @@
 """The rules a model config imposes on a Plan: heads, ffn and vocabulary that TP must split, experts per
-ep rank, attention quirks, dropout.
+ep rank, dropout. (Attention quirks impose none: sliding windows, soft-capping and sinks run under
+every context-parallel kind, and multi-head latent attention under tp.)
 
 Pure functions returning every violation with its fix, as `Plan.validate` collects them.
 """
@@ -10,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from meshkit.expert_parallel.placement import expert_split_problem
-from meshkit.models import llama, roles
+from meshkit.models import roles
 from meshkit.models.moe import moe_spec
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def unsupported_config(config: Any) -> str | None:
 
 def model_problems(plan: Plan, config: Any) -> list[str]:
     """What a model config rules out: heads, ffn and vocabulary TP must split, experts per ep rank,
-    attention quirks the plan's CP kind does not apply, dropout."""
+    dropout."""
     problems = []
     tp = plan.tp
     if tp > 1:
@@ -53,7 +54,6 @@ def model_problems(plan: Plan, config: Any) -> list[str]:
     ep_problem = expert_split_problem(plan.ep, spec.num_experts) if spec is not None and plan.ep > 1 else None
     if ep_problem:
         problems.append(ep_problem)
-    problems += llama.check_config(config, None, plan.cp_attention if plan.cp > 1 else None)
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         problems.append(

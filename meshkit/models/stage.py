@@ -81,17 +81,21 @@ def build_stages(
     ranges: Sequence[range],
     stage_ids: Sequence[int],
     context_parallel: ContextParallelAttention | None = None,
+    chunks: Sequence[int] | None = None,
 ) -> dict[int, CausalLMStage]:
-    """The `CausalLMStage` modules for `stage_ids` of a split into `ranges` (`pipeline.split`);
-    `blocks` are the (possibly wrapped) decoder blocks."""
-    last = len(ranges) - 1
+    """The `CausalLMStage` modules for `stage_ids` of a split into `ranges` (`pipeline.split`, one range
+    per stage); `blocks` are the (possibly wrapped) decoder blocks. `chunks` numbers the chunk of layers
+    each stage runs (default: its own); the first chunk's stages embed, the last chunk's end in the head
+    (DualPipe runs every chunk as two stages, one per direction)."""
+    chunks = list(range(len(ranges))) if chunks is None else list(chunks)
+    last = max(chunks)
     return {
         s: CausalLMStage(
             {i: blocks[i] for i in ranges[s]},
             parts.rotary,
-            embed=parts.embed if s == 0 else None,
-            norm=parts.norm if s == last else None,
-            lm_head=parts.lm_head if s == last else None,
+            embed=parts.embed if chunks[s] == 0 else None,
+            norm=parts.norm if chunks[s] == last else None,
+            lm_head=parts.lm_head if chunks[s] == last else None,
             context_parallel=context_parallel,
             quirks=parts.quirks,
             cache_keyword=llama.cache_keyword(parts.blocks[0]) if parts.blocks else "cache",

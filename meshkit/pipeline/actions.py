@@ -15,6 +15,10 @@ always a stage that lives on the rank running it, so a communication action name
 
 Sends are non-blocking (isend); a receive blocks until its data arrives, so a runtime must post
 sends without waiting for the peer and wait on a receive just before the compute that consumes it.
+
+A schedule may run several pipelines over the same ranks (`Schedule.pipelines`, DualPipe's two
+directions): then "the next stage" is the next one of the stage's own chain, and a chain's last stage
+ends its microbatches' forward (`Schedule.upstream` / `downstream` / `visits`).
 """
 
 from __future__ import annotations
@@ -101,13 +105,19 @@ class Schedule:
     num_microbatches: int
     name: str = "custom"
     forward_only: bool = False  # evaluation: forwards and their transfers only, no backward expected
+    # Independent chains of stages, each fed its own share of the microbatches (DualPipe: 2, one per
+    # direction). Chain c is stages [c*S/k, (c+1)*S/k) and microbatches [c*m/k, (c+1)*m/k).
+    pipelines: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
-        for field in ("num_stages", "num_microbatches"):
+        for field in ("num_stages", "num_microbatches", "pipelines"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"Schedule {field}={value!r}: must be an int >= 1")
+        if self.num_stages % self.pipelines or self.num_microbatches % self.pipelines:
+            raise ScheduleError(f"Schedule pipelines={self.pipelines}: must divide num_stages={self.num_stages} and "
+                                f"num_microbatches={self.num_microbatches} (each chain gets an equal share)")
         if not self.ranks:
             raise ScheduleError("Schedule ranks=(): needs at least one rank")
         for rank, actions in enumerate(self.ranks):
@@ -128,7 +138,8 @@ class Schedule:
         action (hundreds of Python-level hashes) at the start of every step."""
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.ranks, self.num_stages, self.num_microbatches, self.name, self.forward_only))
+            cached = hash((self.ranks, self.num_stages, self.num_microbatches, self.name, self.forward_only,
+                           self.pipelines))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -140,6 +151,19 @@ class Schedule:
     def num_ranks(self) -> int:
         """Pipeline ranks the schedule has action lists for."""
         return len(self.ranks)
+
+    def upstream(self, stage: int) -> int | None:
+        """The stage feeding `stage` its input, None for the first stage of a chain."""
+        return None if stage % (self.num_stages // self.pipelines) == 0 else stage - 1
+
+    def downstream(self, stage: int) -> int | None:
+        """The stage taking `stage`'s output, None for the last stage of a chain (it computes the loss)."""
+        return None if (stage + 1) % (self.num_stages // self.pipelines) == 0 else stage + 1
+
+    def visits(self, stage: int, microbatch: int) -> bool:
+        """Whether `microbatch` passes through `stage`: every pair with one chain, its own chain's otherwise."""
+        per_chain = self.num_stages // self.pipelines
+        return stage // per_chain == microbatch // (self.num_microbatches // self.pipelines)
 
     def stage_ranks(self) -> dict[int, set[int]]:
         """Which ranks compute each stage (a valid schedule has exactly one per stage)."""
@@ -171,12 +195,13 @@ class Schedule:
 
 
 def parse_schedule(
-    text: str, num_stages: int | None = None, num_microbatches: int | None = None, name: str = "custom"
+    text: str, num_stages: int | None = None, num_microbatches: int | None = None, name: str = "custom",
+    pipelines: int = 1,
 ) -> Schedule:
     """Read the `str(schedule)` form: one `rank <r>: <action> <action> ...` line per rank, in order.
 
     Sizes default to the largest stage and microbatch mentioned; pass them to catch a schedule that
-    forgets the last stage or microbatch entirely.
+    forgets the last stage or microbatch entirely. The text does not carry `pipelines` (DualPipe's 2).
     """
     ranks: list[tuple[Action, ...]] = []
     for line_number, line in enumerate(text.strip().splitlines(), start=1):
@@ -194,13 +219,14 @@ def parse_schedule(
         num_stages = 1 + max((a.stage for a in actions), default=0)
     if num_microbatches is None:
         num_microbatches = 1 + max((a.microbatch for a in actions), default=0)
-    return Schedule(tuple(ranks), num_stages, num_microbatches, name)
+    return Schedule(tuple(ranks), num_stages, num_microbatches, name, pipelines=pipelines)
 
 
 def compute_only(schedule: Schedule) -> Schedule:
     """The same schedule without its sends and receives: the order of the work itself."""
     ranks = tuple(tuple(a for a in actions if a.is_compute) for actions in schedule.ranks)
-    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, schedule.name, schedule.forward_only)
+    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, schedule.name, schedule.forward_only,
+                    schedule.pipelines)
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -211,7 +237,8 @@ def forward_only(schedule: Schedule) -> Schedule:
     one the training schedule already proved.
     """
     ranks = tuple(tuple(a for a in actions if a.kind in FORWARD_KINDS) for actions in schedule.ranks)
-    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, f"{schedule.name}/forward", True)
+    return Schedule(ranks, schedule.num_stages, schedule.num_microbatches, f"{schedule.name}/forward", True,
+                    schedule.pipelines)
 
 
 def with_communication(schedule: Schedule) -> Schedule:
@@ -222,7 +249,6 @@ def with_communication(schedule: Schedule) -> Schedule:
     on data it does not need yet).
     """
     owner = schedule.stage_to_rank()
-    last = schedule.num_stages - 1
     ranks = []
     for rank, actions in enumerate(schedule.ranks):
         out: list[Action] = []
@@ -230,23 +256,26 @@ def with_communication(schedule: Schedule) -> Schedule:
             if not action.is_compute:
                 raise ScheduleError(f"rank {rank}: {action} is already communication; pass a compute-only schedule")
             s, mb = action.stage, action.microbatch
+            up, down = schedule.upstream(s), schedule.downstream(s)
+            receives_from_up = up is not None and owner[up] != rank
+            sends_down = down is not None and owner[down] != rank
             if action.kind is ActionKind.F:
-                if s > 0 and owner[s - 1] != rank:
+                if receives_from_up:
                     out.append(Action(ActionKind.RECV_F, s, mb))
                 out.append(action)
-                if s < last and owner[s + 1] != rank:
+                if sends_down:
                     out.append(Action(ActionKind.SEND_F, s, mb))
             elif action.kind in (ActionKind.B, ActionKind.BW):
-                if s < last and owner[s + 1] != rank:
+                if sends_down:
                     out.append(Action(ActionKind.RECV_B, s, mb))
                 out.append(action)
-                if s > 0 and owner[s - 1] != rank:
+                if receives_from_up:
                     out.append(Action(ActionKind.SEND_B, s, mb))
             else:
                 out.append(action)
         ranks.append(tuple(out))
     return Schedule(tuple(ranks), schedule.num_stages, schedule.num_microbatches, schedule.name,
-                    schedule.forward_only)
+                    schedule.forward_only, schedule.pipelines)
 
 
 def require_int(name: str, value: object, minimum: int, fix: str) -> int:

@@ -89,7 +89,7 @@ def compile_rank(schedule: Schedule, rank: int, lookahead: int, window: int = 0)
     for its first input, the receives of its first `window` computes are all posted in that wait
     (the runtime's window covers a whole step at pp=4, m=8: see `runtime.RECEIVE_WINDOW`).
     """
-    owner, m, last = schedule.stage_to_rank(), schedule.num_microbatches, schedule.num_stages - 1
+    owner, m = schedule.stage_to_rank(), schedule.num_microbatches
     actions = schedule.ranks[rank]
     waits = idle_before(schedule)[rank] if window > 0 else frozenset()
 
@@ -111,9 +111,10 @@ def compile_rank(schedule: Schedule, rank: int, lookahead: int, window: int = 0)
 
     def compute(a: Action, i: int) -> Compute:
         s, mb = a.stage, a.microbatch
-        if a.kind is K.F and s > 0 and owner[s - 1] != rank:
+        up, down = schedule.upstream(s), schedule.downstream(s)
+        if a.kind is K.F and up is not None and owner[up] != rank:
             return Compute(a, i, a.kind, s, mb, tag(s - 1, mb, m, False), Action(K.RECV_F, s, mb))
-        if a.kind in (K.B, K.BW) and s < last and owner[s + 1] != rank:
+        if a.kind in (K.B, K.BW) and down is not None and owner[down] != rank:
             return Compute(a, i, a.kind, s, mb, tag(s, mb, m, True), Action(K.RECV_B, s, mb))
         return Compute(a, i, a.kind, s, mb, None, None)
 

@@ -141,7 +141,7 @@ class _RankRun:
     def __init__(self, schedule, rank, stages, group, microbatch_inputs, loss_fn, shapes, stage_kwargs, device,
                  trace=None):
         self.keep = not schedule.forward_only  # what backward needs; evaluation drops each tensor once used
-        self.last = schedule.num_stages - 1
+        self.schedule = schedule
         self.rank, self.stages = rank, stages
         self.inputs, self.loss_fn = microbatch_inputs, loss_fn
         self.shapes, self.stage_kwargs = shapes, stage_kwargs
@@ -192,11 +192,12 @@ class _RankRun:
     # ------------------------------------------------------------------ compute
     def _forward(self, c: Compute) -> None:
         s, mb = c.stage, c.microbatch
-        if s == 0:
+        up, last = self.schedule.upstream(s), self.schedule.downstream(s) is None
+        if up is None:
             x = self.inputs[mb]
         else:
             if c.received is None:  # same tensor the wire would carry, without the wire
-                x = wire_tensor(self.outputs[(s - 1, mb)] if self.keep else self.outputs.pop((s - 1, mb)))
+                x = wire_tensor(self.outputs[(up, mb)] if self.keep else self.outputs.pop((up, mb)))
             else:
                 x = self._take(c)
             if self.keep:
@@ -205,20 +206,20 @@ class _RankRun:
         kwargs = self.stage_kwargs[mb] if self.stage_kwargs is not None else {}
         start = time.perf_counter() if self.trace is not None else 0.0
         out = self.stages[s](x, **kwargs)
-        if s == self.last:
+        if last:
             out = self.loss_fn(out, mb)
             self.losses[mb] = out.detach()
         if self.trace is not None:
             self.trace.append(TraceEvent("stage", c.action, start, time.perf_counter()))
-        if s < self.last or self.keep:
+        if not last or self.keep:
             self.outputs[(s, mb)] = out
 
     def _backward(self, c: Compute, deferred: bool) -> None:
         s, mb = c.stage, c.microbatch
         out = self.outputs.pop((s, mb))
-        grad = None
-        if s < self.last:
-            grad = self.input_grads.pop((s + 1, mb)) if c.received is None else self._take(c)
+        grad, down = None, self.schedule.downstream(s)
+        if down is not None:
+            grad = self.input_grads.pop((down, mb)) if c.received is None else self._take(c)
             if isinstance(out, DTensor) and not isinstance(grad, DTensor):
                 grad = DTensor.from_local(grad, out.device_mesh, out.placements, run_check=False,
                                           shape=out.shape, stride=out.stride())
@@ -235,7 +236,7 @@ class _RankRun:
             torch.autograd.backward(out, grad)
         if self.trace is not None:
             self.trace.append(TraceEvent("stage", c.action, start, time.perf_counter()))
-        if s > 0:
+        if self.schedule.upstream(s) is not None:
             x = self.stage_inputs.pop((s, mb))
             self.input_grads[(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
 
@@ -319,12 +320,13 @@ def _validate(schedule, rank, world, stages, microbatch_inputs, loss_fn, shapes,
         raise ValueError(f"run_schedule: pp rank {rank} was given stages {sorted(stages)}, but schedule "
                          f"{schedule.name!r} runs stages {sorted(mine)} there; pass exactly those")
     m = schedule.num_microbatches
-    if 0 in mine and (microbatch_inputs is None or len(microbatch_inputs) != m):
+    firsts = [s for s in mine if schedule.upstream(s) is None]
+    if firsts and (microbatch_inputs is None or len(microbatch_inputs) != m):
         got = None if microbatch_inputs is None else len(microbatch_inputs)
-        raise ValueError(f"run_schedule: microbatch_inputs has {got} entries; the first stage needs one per "
-                         f"microbatch ({m})")
-    if schedule.num_stages - 1 in mine and loss_fn is None:
-        raise ValueError("run_schedule: the last stage lives on this rank, so loss_fn is required")
+        raise ValueError(f"run_schedule: microbatch_inputs has {got} entries; a first stage (stage {firsts[0]} "
+                         f"here) needs one per microbatch of the schedule ({m}), indexed by microbatch")
+    if any(schedule.downstream(s) is None for s in mine) and loss_fn is None:
+        raise ValueError("run_schedule: a last stage lives on this rank, so loss_fn is required")
     if stage_kwargs is not None and len(stage_kwargs) != m:
         raise ValueError(f"run_schedule: stage_kwargs has {len(stage_kwargs)} entries; pass one mapping per "
                          f"microbatch ({m}) or None")

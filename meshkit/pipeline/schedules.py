@@ -1,16 +1,20 @@
 """Pipeline schedule generators: each returns a `Schedule` (see `actions` for the format) that
 `simulate.check` proves complete and deadlock-free before any process starts.
 
-One stage per rank: GPipe, 1F1B, ZB-H1 and ZB-H2. Several stages per rank: interleaved 1F1B (stage
-s on rank s % p, here) and the V-shaped ZB-V and DualPipeV (stage s and 2p-1-s on one rank, in
-`v_shape`). `build_schedule` is the one entry point a Plan uses; `stage_placement` says which rank
-holds each stage without building the schedule (the model splitter needs it first).
+One stage per rank: GPipe, 1F1B, ZB-H1, ZB-H2 and zb_auto (built for measured costs and a memory
+limit, in `auto`). Several stages per rank: interleaved 1F1B (stage s on rank s % p, here), the
+V-shaped ZB-V and DualPipeV (stage s and 2p-1-s on one rank, in `v_shape`) and DualPipe (two
+pipelines in opposite directions, each chunk of layers on two ranks, in `bidirectional`).
+`build_schedule` is the one entry point a Plan uses; `stage_placement`, `stage_chunks` and
+`splits_weight_grad` answer from the name alone what the model splitter and the TP path need first.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
+from meshkit.pipeline import auto, bidirectional
 from meshkit.pipeline.actions import (
     COMPUTE_KINDS,
     Action,
@@ -25,6 +29,8 @@ from meshkit.pipeline.actions import (
     schedule_sizes,
     with_communication,
 )
+from meshkit.pipeline.bidirectional import dualpipe
+from meshkit.pipeline.simulate import Costs
 from meshkit.pipeline.v_shape import V_SCHEDULES, dualpipe_v, v_placement, zb_v
 
 
@@ -100,58 +106,26 @@ def zb_h2(pp: int, microbatches: int) -> Schedule:
     The price is memory: rank r peaks at min(m, 2p-1) microbatches' activations (ZB-H1: min(m, p)).
     """
     pp, m = schedule_sizes(pp, microbatches)
-    return with_communication(Schedule(_list_schedule(pp, m, cap=2 * pp - 1), pp, m, "zb_h2"))
+    return with_communication(Schedule(auto.list_schedule(pp, m, Costs(), cap=2 * pp - 1), pp, m, "zb_h2"))
 
 
-def _list_schedule(pp: int, m: int, cap: int) -> tuple[tuple[Action, ...], ...]:
-    """Per-rank orders from a unit-time list scheduling with priorities B > F (under `cap`) > W.
+@functools.lru_cache(maxsize=64)
+def zb_auto(pp: int, microbatches: int, costs: Costs | None = None, memory_limit: int | None = None) -> Schedule:
+    """zb_auto (`auto`): the fastest schedule at `costs` (unit F, B, W and no P2P latency by default) whose
+    ranks hold at most `memory_limit` microbatches from F until W (default pp: 1F1B's first rank).
 
-    Each pick is the free rank that can start soonest; an action is ready once what it consumes has
-    finished (the previous stage's F, the next stage's B, its own B), so the order it emits is
-    executable and `with_communication` only adds the transfers the timed run already implied.
+    The candidates are the heuristic's (`auto.candidates`) and the handcrafted ZB-H1 and ZB-H2, each
+    kept only where its peak fits the limit, so zb_auto is never slower than those at its costs.
+    Cached: the same arguments give the same (immutable) schedule without rebuilding it.
     """
-    K = ActionKind
-    free = [0] * pp
-    finished: dict[tuple[ActionKind, int, int], int] = {}
-    next_f, next_b, in_flight = [0] * pp, [0] * pp, [0] * pp
-    pending_w: list[list[int]] = [[] for _ in range(pp)]
-    orders: list[list[Action]] = [[] for _ in range(pp)]
-    for _ in range(3 * m * pp):
-        best: tuple[int, int, ActionKind, int] | None = None  # (start, rank, kind, microbatch)
-        for r in range(pp):
-            ready: list[tuple[int, int, ActionKind, int]] = []  # (start, priority, kind, microbatch)
-            if next_b[r] < next_f[r]:
-                j = next_b[r]
-                after = finished.get((K.F, r, j) if r == pp - 1 else (K.B, r + 1, j))
-                if after is not None:
-                    ready.append((max(free[r], after), 0, K.B, j))
-            if next_f[r] < m and in_flight[r] < cap:
-                j = next_f[r]
-                after = 0 if r == 0 else finished.get((K.F, r - 1, j))
-                if after is not None:
-                    ready.append((max(free[r], after), 1, K.F, j))
-            if pending_w[r]:
-                ready.append((free[r], 2, K.W, pending_w[r][0]))
-            if ready:
-                start = min(start for start, *_ in ready)
-                _, _, kind, j = min(c for c in ready if c[0] == start)
-                if best is None or start < best[0]:
-                    best = (start, r, kind, j)
-        if best is None:  # unreachable: the rank holding the oldest unfinished work can always start it
-            raise RuntimeError(f"ZB-H2 list scheduling stalled at pp={pp}, microbatches={m}")
-        start, r, kind, j = best
-        free[r] = finished[(kind, r, j)] = start + 1
-        orders[r].append(Action(kind, r, j))
-        if kind is K.F:
-            next_f[r] += 1
-            in_flight[r] += 1
-        elif kind is K.B:
-            next_b[r] += 1
-            pending_w[r].append(j)
-        else:
-            pending_w[r].pop(0)
-            in_flight[r] -= 1
-    return tuple(map(tuple, orders))
+    pp, m = schedule_sizes(pp, microbatches)
+    limit = pp if memory_limit is None else memory_limit
+    problem = auto.memory_limit_problem(limit)
+    if problem:
+        raise ValueError(problem)
+    costs = Costs() if costs is None else costs
+    handcrafted = [build(pp, m) for build, held in ((zb_h1, pp), (zb_h2, 2 * pp - 1)) if min(held, m) <= limit]
+    return auto.best_of([*auto.candidates(pp, m, costs, limit), *handcrafted], costs, limit)
 
 
 def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -203,9 +177,11 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedul
     return with_communication(compute)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", *V_SCHEDULES)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.DUALPIPE, auto.ZB_AUTO)
+#: Schedules with two stages per rank whatever `virtual_stages` says (the V's, DualPipe's two directions).
+TWO_STAGES = (*V_SCHEDULES, bidirectional.DUALPIPE)
 # The schedules that split a backward into B (input gradient) and a deferred W (weight gradient).
-WEIGHT_GRAD_SPLIT = ("zb_h1", "zb_h2", *V_SCHEDULES)
+WEIGHT_GRAD_SPLIT = ("zb_h1", "zb_h2", *V_SCHEDULES, bidirectional.DUALPIPE, auto.ZB_AUTO)
 
 
 def splits_weight_grad(name: str) -> bool:
@@ -215,35 +191,58 @@ def splits_weight_grad(name: str) -> bool:
 
 
 def stages_per_rank(name: str, virtual_stages: int = 1) -> int:
-    """How many stages each rank holds under schedule `name` (V schedules always hold two)."""
-    return 2 if name in V_SCHEDULES else virtual_stages
+    """How many stages each rank holds under schedule `name` (V schedules and DualPipe always hold two)."""
+    return 2 if name in TWO_STAGES else virtual_stages
 
 
 def stage_placement(name: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
-    """The rank of every stage under schedule `name`: `s % pp`, or the V (s and 2p-1-s on one rank).
+    """The rank of every stage under schedule `name`: `s % pp`, or the V (s and 2p-1-s on one rank,
+    also DualPipe's: its up pipeline's chunk k, stage p+k, is on rank p-1-k).
 
     Equal to `build_schedule(...).stage_to_rank()`; the splitter calls it before any schedule exists.
     """
-    if name in V_SCHEDULES:
+    if name in TWO_STAGES:
         return v_placement(pp)
     return tuple(s % pp for s in range(pp * virtual_stages))
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+def stage_chunks(name: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The chunk of layers every stage runs, the model being cut into `max(chunks) + 1` chunks: each
+    stage its own chunk, except under DualPipe, whose two pipelines run the same p chunks (s mod p)."""
+    if name == bidirectional.DUALPIPE:
+        return bidirectional.mirrored_chunks(pp)
+    return tuple(range(pp * stages_per_rank(name, virtual_stages)))
+
+
+def pipelines(name: str) -> int:
+    """How many chains of stages the schedule runs, each fed its share of the microbatches (DualPipe: 2)."""
+    return 2 if name == bidirectional.DUALPIPE else 1
+
+
+def first_pipeline(name: str, pp: int, virtual_stages: int = 1) -> range:
+    """The stages one microbatch of the first pipeline passes through, in order: every stage, except
+    under DualPipe (the down pipeline's p stages; the up pipeline runs the same chunks in reverse)."""
+    stages = pp * stages_per_rank(name, virtual_stages)
+    return range(stages // pipelines(name))
+
+
+def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1, *, costs: Costs | None = None,
+                   memory_limit: int | None = None) -> Schedule:
     """The schedule a Plan names (`pp_schedule`), with its microbatch and virtual-stage counts.
 
-    V schedules hold two stages per rank whatever `virtual_stages` says, so they accept 1 (the
-    default) or 2 and nothing else.
+    V schedules and DualPipe hold two stages per rank whatever `virtual_stages` says, so they accept 1
+    (the default) or 2 and nothing else. `costs` and `memory_limit` are zb_auto's (ignored otherwise).
     """
     if name == "interleaved_1f1b":
         return interleaved_1f1b(pp, microbatches, virtual_stages)
     builders: dict[str, Callable[[int, int], Schedule]] = {
-        "gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2, "zb_v": zb_v, "dualpipe_v": dualpipe_v}
+        "gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2, "zb_v": zb_v, "dualpipe_v": dualpipe_v,
+        bidirectional.DUALPIPE: dualpipe, auto.ZB_AUTO: lambda p, m: zb_auto(p, m, costs, memory_limit)}
     if name not in builders:
         raise ValueError(f"pp_schedule={name!r}: unknown schedule; choose one of {', '.join(SCHEDULES)}")
-    allowed = (1, 2) if name in V_SCHEDULES else (1,)
+    allowed = (1, 2) if name in TWO_STAGES else (1,)
     if virtual_stages not in allowed:
-        fix = ("V schedules always run two stages per rank; use virtual_stages=1 or 2" if name in V_SCHEDULES else
+        fix = ("it always runs two stages per rank; use virtual_stages=1 or 2" if name in TWO_STAGES else
                "only interleaved_1f1b runs several stages per rank; use virtual_stages=1 or "
                "pp_schedule='interleaved_1f1b'")
         raise ValueError(f"virtual_stages={virtual_stages!r} with pp_schedule={name!r}: {fix}")
@@ -257,21 +256,27 @@ __all__: Sequence[str] = (
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
+    "TWO_STAGES",
     "V_SCHEDULES",
     "build_schedule",
     "compute_only",
+    "dualpipe",
     "dualpipe_v",
+    "first_pipeline",
     "forward_only",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
     "parse_action",
     "parse_schedule",
-    "stage_placement",
+    "pipelines",
     "splits_weight_grad",
+    "stage_chunks",
+    "stage_placement",
     "stages_per_rank",
     "with_communication",
     "zb_h1",
+    "zb_auto",
     "zb_h2",
     "zb_v",
 )

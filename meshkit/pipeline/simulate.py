@@ -126,16 +126,17 @@ class _Replay:
 
     def _needs(self, action: Action, rank: int) -> list[Action]:
         """What must already have run on `rank` before `action`: only local facts, never a wait."""
-        s, mb, last = action.stage, action.microbatch, self.schedule.num_stages - 1
+        s, mb = action.stage, action.microbatch
+        up, down = self.schedule.upstream(s), self.schedule.downstream(s)
         if action.kind is F:
-            if s == 0:
+            if up is None:
                 return []
-            return [Action(F, s - 1, mb) if self.owner[s - 1] == rank else Action(RECV_F, s, mb)]
+            return [Action(F, up, mb) if self.owner[up] == rank else Action(RECV_F, s, mb)]
         if action.kind in (B, BW):
-            if s == last:
+            if down is None:
                 return [Action(F, s, mb)]
-            upstream = Action(self.backward_kind[(s + 1, mb)], s + 1, mb)
-            return [Action(F, s, mb), upstream if self.owner[s + 1] == rank else Action(RECV_B, s, mb)]
+            later = Action(self.backward_kind[(down, mb)], down, mb)
+            return [Action(F, s, mb), later if self.owner[down] == rank else Action(RECV_B, s, mb)]
         if action.kind in (W, SEND_B):
             return [Action(self.backward_kind[(s, mb)] if action.kind is SEND_B else B, s, mb)]
         return [Action(F, s, mb)]  # SEND_F
@@ -229,23 +230,28 @@ def _structure_problems(schedule: Schedule) -> list[str]:
     if problems:
         return problems
     owner = schedule.stage_to_rank()
-    last = schedule.num_stages - 1
     seen: dict[Action, list[tuple[int, int]]] = defaultdict(list)
     for rank, actions in enumerate(schedule.ranks):
         for position, action in enumerate(actions):
             seen[action].append((rank, position))
+            s = action.stage
+            if not schedule.visits(s, action.microbatch):
+                problems.append(f"rank {rank} position {position}: {action}: microbatch {action.microbatch} runs "
+                                f"through another pipeline, never through stage {s}")
+                continue
             if action.is_compute:
                 continue
-            s = action.stage
             if owner[s] != rank:
                 problems.append(
                     f"rank {rank} position {position}: {action} names stage {s}, which lives on rank "
                     f"{owner[s]}; a send or receive names a stage of the rank that runs it"
                 )
                 continue
-            peer = s + 1 if action.kind in (SEND_F, RECV_B) else s - 1
-            if not 0 <= peer <= last:
-                problems.append(f"rank {rank} position {position}: {action} has no peer: stage {peer} does not exist")
+            peer = schedule.downstream(s) if action.kind in (SEND_F, RECV_B) else schedule.upstream(s)
+            if peer is None:
+                beyond = s + 1 if action.kind in (SEND_F, RECV_B) else s - 1
+                where = "does not exist" if not 0 <= beyond < schedule.num_stages else "is in another pipeline"
+                problems.append(f"rank {rank} position {position}: {action} has no peer: stage {beyond} {where}")
             elif owner[peer] == rank:
                 problems.append(
                     f"rank {rank} position {position}: {action} is not needed: stages {s} and {peer} "
@@ -262,13 +268,16 @@ def _structure_problems(schedule: Schedule) -> list[str]:
 
     has_p2p = any(not a.is_compute for a in seen)
     for s in range(schedule.num_stages):
+        down = schedule.downstream(s)
         for mb in range(schedule.num_microbatches):
+            if not schedule.visits(s, mb):
+                continue
             missing(F, s, mb, f"stage {s} must run forward on microbatch {mb}")
-            cross = s < last and owner[s + 1] != owner[s]
-            src, dst = owner[s], owner[s + 1] if s < last else None
+            cross = down is not None and owner[down] != owner[s]
+            src, dst = owner[s], owner[down] if down is not None else None
             if cross:
-                missing(SEND_F, s, mb, f"stage {s + 1} on rank {dst} needs microbatch {mb}'s activations")
-                missing(RECV_F, s + 1, mb, f"stage {s + 1} needs microbatch {mb}'s activations from rank {src}")
+                missing(SEND_F, s, mb, f"stage {down} on rank {dst} needs microbatch {mb}'s activations")
+                missing(RECV_F, down, mb, f"stage {down} needs microbatch {mb}'s activations from rank {src}")
             if schedule.forward_only:
                 continue
             full, split_b, split_w = (Action(k, s, mb) in seen for k in (BW, B, W))
@@ -279,7 +288,7 @@ def _structure_problems(schedule: Schedule) -> list[str]:
             elif split_b != split_w:
                 problems.append(f"{'B' if split_b else 'W'}{s}.{mb} has no {'W' if split_b else 'B'}{s}.{mb}")
             if cross:
-                missing(SEND_B, s + 1, mb, f"stage {s} on rank {src} needs microbatch {mb}'s gradient")
+                missing(SEND_B, down, mb, f"stage {s} on rank {src} needs microbatch {mb}'s gradient")
                 missing(RECV_B, s, mb, f"stage {s} needs microbatch {mb}'s gradient from rank {dst}")
     if problems and not has_p2p and schedule.num_ranks > 1:
         problems.append("the schedule has no sends or receives at all: with_communication() adds them")

@@ -117,41 +117,43 @@ def dualpipe_v(pp: int, microbatches: int) -> Schedule:
             f"microbatches={m!r} with pp={pp}: DualPipeV pairs forwards and backwards of 2p stages and needs "
             f"at least 2*pp={2 * pp} microbatches; use microbatches >= {2 * pp} or pp_schedule='zb_v'"
         )
+    return _v_schedule("dualpipe_v", pp, m, lambda r: dualpipe_v_order(pp, m, r))
 
-    def order(r: int) -> list[Action]:
-        down, up, o = r, 2 * pp - 1 - r, _Order()
-        for _ in range(2 * (pp - 1 - r)):
-            o.add(F, down)
-        for _ in range(r + 1):
-            o.add(F, down)
-            o.add(F, up)
-        for _ in range(pp - 1 - r):
-            o.backward(up, split=True)
-            o.weight()
-            o.add(F, up)
-        for _ in range(m - 2 * pp + r + 1):
-            o.add(F, down)
-            o.backward(up, split=False)
-            o.add(F, up)
-            o.backward(down, split=False)
-        for _ in range(pp - 1 - r):
-            o.backward(up, split=False)
-            o.add(F, up)
-            o.backward(down, split=False)
-        split = False
-        for i in range(r + 1):  # odd ranks start splitting one backward earlier than even ones
-            split = split or (i == (r + 1) // 2 and r % 2 == 1)
-            o.backward(up, split)
-            split = split or (i == (r + 1) // 2 and r % 2 == 0)
-            o.backward(down, split)
-        for _ in range(pp - 1 - r):
-            o.weight()
-            o.backward(down, split)
-        while o.pending_w:
-            o.weight()
-        return o.actions
 
-    return _v_schedule("dualpipe_v", pp, m, order)
+def dualpipe_v_order(pp: int, m: int, r: int) -> list[Action]:
+    """Rank r's compute order of DualPipeV (see `dualpipe_v`), unchecked: valid from m = 2p-1 on
+    (`simulate.check` proves it); DualPipe (`bidirectional`) runs it on both halves of its ranks."""
+    down, up, o = r, 2 * pp - 1 - r, _Order()
+    for _ in range(2 * (pp - 1 - r)):
+        o.add(F, down)
+    for _ in range(r + 1):
+        o.add(F, down)
+        o.add(F, up)
+    for _ in range(pp - 1 - r):
+        o.backward(up, split=True)
+        o.weight()
+        o.add(F, up)
+    for _ in range(m - 2 * pp + r + 1):
+        o.add(F, down)
+        o.backward(up, split=False)
+        o.add(F, up)
+        o.backward(down, split=False)
+    for _ in range(pp - 1 - r):
+        o.backward(up, split=False)
+        o.add(F, up)
+        o.backward(down, split=False)
+    split = False
+    for i in range(r + 1):  # odd ranks start splitting one backward earlier than even ones
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        o.backward(up, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        o.backward(down, split)
+    for _ in range(pp - 1 - r):
+        o.weight()
+        o.backward(down, split)
+    while o.pending_w:
+        o.weight()
+    return o.actions
 
 
 def _v_schedule(name: str, pp: int, m: int, order) -> Schedule:
@@ -159,4 +161,4 @@ def _v_schedule(name: str, pp: int, m: int, order) -> Schedule:
     return with_communication(compute)
 
 
-__all__ = ["V_SCHEDULES", "dualpipe_v", "v_placement", "zb_v"]
+__all__ = ["V_SCHEDULES", "dualpipe_v", "dualpipe_v_order", "v_placement", "zb_v"]

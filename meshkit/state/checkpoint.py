@@ -67,7 +67,7 @@ _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
          scheduler: Any = None, step: int = 0, extra: Any = None, run_id: str | None = None,
-         global_batch: int | None = None, data: Any = None) -> str:
+         global_batch: int | None = None, data: Any = None, adapter_only: bool = False) -> str:
     """Write a checkpoint of model, optimizer, scheduler, step, `extra` and RNG states to directory `path`.
 
     Collective: every rank calls it. Atomic: the files go to a hidden temporary directory that is
@@ -77,9 +77,12 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
     parameter or optimizer state is non-finite. `extra` (e.g. a data-loader position) is any
     picklable object saved once, from rank 0, like `step`. `data`: a loader with `state_dict()` (a
     `meshkit.data.PackedLoader`), whose state is rank-independent by design and saved once too;
-    `load(..., data=loader)` restores it. Returns `path`.
+    `load(..., data=loader)` restores it. `adapter_only`: only the parameters that train (a LoRA model's
+    adapters; meshkit's balancing buffers too), not the frozen base, which a resume loads from its own
+    files first (`pm.load_hf_checkpoint(base_dir)`). Returns `path`.
     """
-    state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id, data=data)
+    state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id, data=data,
+                       adapter_only=adapter_only)
     final, partial = atomic.begin(path)
     dcp.save(state, checkpoint_id=partial, planner=save_planner())
     atomic.publish_everywhere(partial, final, record(pm, step, run_id, global_batch))
@@ -87,13 +90,14 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
 
 
 def state_dict(pm: ParallelModel, optimizer: Optimizer, *, scheduler: Any = None, step: int = 0,
-               extra: Any = None, run_id: str | None = None, data: Any = None) -> dict[str, Any]:
+               extra: Any = None, run_id: str | None = None, data: Any = None,
+               adapter_only: bool = False) -> dict[str, Any]:
     """What `save` hands DCP, keyed by HF names; refused when any tensor in it is non-finite.
 
     The finiteness check is collective (one all-reduce): a NaN on one rank's shard must stop every
     rank's save, or the others would wait in DCP for it.
     """
-    state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm)}
+    state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm) if _kept(name, t, adapter_only)}
     for name, param in _optimizer_params(pm, optimizer):
         for key, value in optimizer.state.get(param, {}).items():
             state[f"{OPTIM_STATE}{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
@@ -105,7 +109,8 @@ def state_dict(pm: ParallelModel, optimizer: Optimizer, *, scheduler: Any = None
             state[SCHEDULER] = scheduler.state_dict()
         state[META] = {"format": FORMAT_VERSION, "step": int(step), "extra": extra,
                        "data": None if data is None else data.state_dict(), "plan": pm.plan.to_dict(),
-                       "world_size": _world_size(), "torch": torch.__version__, "run_id": run_id}
+                       "world_size": _world_size(), "torch": torch.__version__, "run_id": run_id,
+                       "adapter_only": adapter_only}
     state[f"{RNG}{rank}"] = _rng_state()
     return state
 
@@ -157,7 +162,7 @@ def load(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *, sc
     if not isinstance(info, dict) or info.get("format") != FORMAT_VERSION:
         found = info.get("format") if isinstance(info, dict) else "none (not written by meshkit.state.checkpoint.save)"
         raise ValueError(f"checkpoint {path}: format {found}; this meshkit reads format {FORMAT_VERSION}")
-    problems = _model_problems(pm, entries)
+    problems = _model_problems(pm, entries, bool(info.get("adapter_only")))
     groups = small.get(OPTIM_GROUPS)
     if groups is not None and len(groups) != len(_hyper_groups(optimizer)):
         problems.append(f"the checkpoint's optimizer has {len(groups)} parameter group(s), this optimizer "
@@ -211,9 +216,18 @@ def _model_tensors(pm: ParallelModel) -> Iterator[tuple[str, torch.Tensor]]:
     yield from held_buffers(pm.model, pm.model_parts)
 
 
-def _model_problems(pm: ParallelModel, entries: dict[str, Any]) -> list[str]:
+def _kept(name: str, tensor: torch.Tensor, adapter_only: bool) -> bool:
+    """Whether an adapter-only checkpoint holds this tensor: what trains, and meshkit's balancing state."""
+    return not adapter_only or tensor.requires_grad or is_meshkit_only(name)
+
+
+def _model_problems(pm: ParallelModel, entries: dict[str, Any], adapter_only: bool = False) -> list[str]:
     # Every rank computes the same table of global shapes and reaches the same verdict, no communication.
-    expected = {n: tuple(t.shape) for n, t in persistent_tensors(pm.model).items() if n not in pm.tied_aliases}
+    expected = {n: tuple(t.shape) for n, t in persistent_tensors(pm.model).items()
+                if n not in pm.tied_aliases and _kept(n, t, adapter_only)}
+    if adapter_only and any(p.is_meta for p in pm.parameters() if not p.requires_grad):
+        return ["an adapter-only checkpoint holds no frozen (base) weights, and this model's are still on the meta "
+                "device; fix: pm.load_hf_checkpoint(base_dir) (or init_weights) before loading it"]
     saved = {k[len(MODEL):]: v for k, v in entries.items() if k.startswith(MODEL)}
     # meshkit's balancing buffers may be absent from a checkpoint of a model trained without them.
     missing = sorted(n for n in set(expected) - set(saved) if not is_meshkit_only(n))

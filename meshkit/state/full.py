@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
 from meshkit.models import hf_moe, llama
-from meshkit.state.names import is_meshkit_only, non_persistent_buffer_names
+from meshkit.state.names import hf_name, is_meshkit_only, non_persistent_buffer_names
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
@@ -68,21 +69,31 @@ def load_full_state_dict(pm: ParallelModel, state_dict: Mapping[str, torch.Tenso
 
 
 @torch.no_grad()
-def init_weights(pm: ParallelModel, seed: int = 0) -> None:
-    """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard."""
+def init_weights(pm: ParallelModel, seed: int = 0, only: set[str] | None = None) -> None:
+    """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard; a PEFT
+    model's adapters as PEFT does (`peft.model.init_tensor`), its base exactly as the plain model's
+    (seeded by the HF name). `only`: just these names (adapters a base checkpoint lacks)."""
     materialise(pm)
     config = pm.model.config
+    adapters = peft_model.adapter_dims(pm.model) if peft_model.is_peft_model(pm.model) else {}
     for name, param in pm.named_parameters():
-        rule, std = llama.init_rule(name, config)
+        if only is not None and name not in only:
+            continue
+        hf = hf_name(name)
+        rule, std = llama.init_rule(hf, config)
         shape = param.shape
-        if rule == "ones":
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(hf.encode())) % 2**63)
+        if name in adapters:
+            in_features, r = adapters[name]
+            full = peft_model.init_tensor(name, shape, in_features, r, peft_model.lora_config(pm.model)
+                                          .init_lora_weights, gen)
+        elif rule == "ones":
             full = torch.ones(shape)
         elif rule == "zeros":
             full = torch.zeros(shape)
         else:
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             full = torch.randn(shape, generator=gen) * std
-            row = llama.padding_row(name, config)
+            row = llama.padding_row(hf, config)
             if row is not None:
                 full[row] = 0
         copy_full_into(param, full)

@@ -45,7 +45,7 @@ from meshkit.local_tensor import local_tensor
 from meshkit.models import hf_moe
 from meshkit.models import moe as moe_models
 from meshkit.state.gather import full_state_dict_on_rank0
-from meshkit.state.names import is_meshkit_only, persistent_tensors
+from meshkit.state.names import hf_name, is_adapter, is_meshkit_only, persistent_tensors
 from meshkit.step.consensus import brief, raise_if_any
 
 if TYPE_CHECKING:
@@ -180,9 +180,10 @@ def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: 
     tensors = persistent_tensors(model)
     sources, missing, wrong = {}, [], []
     for name, tensor in tensors.items():
-        source = _source(aliases.get(name, name), tuple(tensor.shape), shapes)
+        # A PEFT model's base weights under their HF names; its adapters are not in base files.
+        source = _source(hf_name(aliases.get(name, name)), tuple(tensor.shape), shapes)
         if source is None:
-            if not is_meshkit_only(name):  # meshkit's balancing state: not in HF files
+            if not is_meshkit_only(name) and not is_adapter(name):  # meshkit's balancing state: not in HF files
                 missing.append(name)
             continue
         per_piece_ok = not isinstance(source, _StackedExperts) or all(
@@ -193,7 +194,7 @@ def _plan_sources(model: nn.Module, shapes: dict[str, tuple[int, ...]], strict: 
         sources[name] = source
     used = {k for s in sources.values() for k in s.keys()}
     # A tied weight's second name (lm_head.weight) may be in the file; the embedding is authoritative.
-    tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(tensors) | set(aliases)
+    tied = {hf_name(n) for n in set(dict(model.named_parameters(remove_duplicate=False))) - set(tensors) | set(aliases)}
     # HF's empty shared-expert tensors (and Qwen2-MoE's gate) of a zero-width shared expert: the
     # converted model leaves them out, and they add exactly zero.
     absent = {k for k, (_, shape) in hf_moe.zero_width_shared_expert_shapes(model.config, shapes).items()
@@ -291,15 +292,18 @@ def save_hf_checkpoint(pm: ParallelModel, directory: str | Path, *, tokenizer: A
     problem = None
     if state is not None:  # rank 0
         try:
-            _write_pretrained(pm.model, hf_moe.to_hf_state_dict(state, config), Path(directory), max_shard_size,
-                              tokenizer)
+            write_pretrained(pm.model, hf_moe.to_hf_state_dict(state, config), Path(directory), max_shard_size,
+                             tokenizer)
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, or they return as if it worked
             problem = f"save_hf_checkpoint: rank 0 could not write {str(directory)!r}: {type(err).__name__}: {err}"
     raise_if_any(problem, device=pm.device)  # also the barrier: no rank returns before the files exist
 
 
-def _write_pretrained(source: nn.Module, state: dict[str, torch.Tensor], directory: Path,
-                      max_shard_size: int | str, tokenizer: Any) -> None:
+def write_pretrained(source: nn.Module, state: dict[str, torch.Tensor], directory: Path,
+                     max_shard_size: int | str, tokenizer: Any) -> None:
+    """Rank 0's write: a fresh meta-device HF model of `source`'s config given `state` (HF names), saved by
+    HF's own `save_pretrained` with `source`'s generation config and the tokenizer (the merged export of
+    a LoRA model writes through it too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if directory.exists() and not directory.is_dir():

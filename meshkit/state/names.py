@@ -8,6 +8,9 @@
 - Non-persistent buffers (rotary caches) are never saved or expected.
 - meshkit-only buffers (the DeepSeek-V3 router bias and its load counts) are saved when present but
   may be missing from a checkpoint: HF files have no slot for them, and they start from zeros.
+- A PEFT model goes by PEFT's names (`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`,
+  `...q_proj.lora_A.default.weight`): `hf_name` gives a base tensor's name in the base model's HF
+  files, `is_adapter` tells the adapter's tensors, which those files do not hold.
 """
 
 from __future__ import annotations
@@ -18,6 +21,21 @@ import torch
 from torch import nn
 
 MESHKIT_ONLY_BUFFERS = (".expert_bias", ".load_counts_E")
+PEFT_ROOT = "base_model.model."  # where a PeftModel keeps the HF *ForCausalLM
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector.", ".lora_embedding_A.", ".lora_embedding_B.")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether `name` is a PEFT adapter tensor (LoRA's A and B), which base-model files never hold."""
+    return any(part in name for part in _ADAPTER_PARTS)
+
+
+def hf_name(name: str) -> str:
+    """The name a tensor of the model goes by in the base model's HF files: PEFT's root and the
+    `.base_layer` of a wrapped layer dropped (a plain model's names are HF's already)."""
+    if not name.startswith(PEFT_ROOT):
+        return name
+    return name[len(PEFT_ROOT):].replace(".base_layer.", ".")
 
 
 def is_meshkit_only(name: str) -> bool:

@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.mesh import axis
-from meshkit.models import llama
 from meshkit.plan import Plan
 from meshkit.step import loss as loss_lib
 from meshkit.step.consensus import sum_unless_any
@@ -101,8 +100,7 @@ def input_problem(input_ids, labels, position_ids, plan: Plan, config: Any) -> s
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != seq
                                      or position_ids.shape[0] not in (1, batch)):
         return f"position_ids {tuple(position_ids.shape)} must be [1 or {batch}, {seq}]"
-    problems = llama.check_config(config, seq, plan.cp_attention if plan.cp > 1 else None)
-    return problems[0] if problems else None
+    return None
 
 
 def peer_agreement_problem(input_ids: torch.Tensor | None, mesh: DeviceMesh, device: torch.device) -> str | None:

@@ -1,10 +1,11 @@
 """Gradient sums meshkit issues itself after backward, beside FSDP's reduce-scatter.
 
-Two kinds of weights are held whole by several ranks that each see different tokens, so each rank's
+Three kinds of weights are held whole by several ranks that each see different tokens, so each rank's
 gradient is a partial sum: MoE layers under tensor parallelism (every TP rank routes its own
-sequence shard through the same router and experts), and a tied embedding under pipelining (stage
-0 holds the embedding, the last stage a copy as the LM head). Their gradients are summed over the
-ranks sharing them once per `forward_backward` call.
+sequence shard through the same router and experts), a tied embedding under pipelining (stage
+0 holds the embedding, the last stage a copy as the LM head), and every weight under DualPipe (pp
+ranks r and pp-1-r hold the same two chunks of layers, each copy running half the microbatches).
+Their gradients are summed over the ranks sharing them once per `forward_backward` call.
 
 Only the call's own contribution may be summed: under gradient accumulation `.grad` already holds
 the window's earlier (summed) calls, and summing it again would count them once per sharing rank.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -81,3 +83,59 @@ def copies_summed_per_call(copies: Sequence[nn.Parameter]) -> Iterator[None]:
                 p.grad = old
             else:
                 local_tensor(p.grad).add_(local_tensor(old))
+
+
+@contextlib.contextmanager
+def mirror_summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Around one forward/backward: sum the call's gradients of `params` over `group` in ONE all-reduce.
+
+    DualPipe's mirror pair holds every weight twice, so every gradient is summed: flattened into one
+    fp32 buffer (plus one presence flag per tensor), so the step pays one collective's latency, not one
+    per tensor. `params` must come in the same order and local shapes on both ranks (sorted by name;
+    the pair shares every other mesh coordinate, so FSDP, TP and EP shard them alike). A gradient
+    missing on one copy travels as zeros and one missing on both stays missing, as on one device.
+    Called after FSDP's reduce-scatter and after `copies_summed_per_call` (a tied embedding's two local
+    copies), so it adds whole local gradients.
+    """
+    if not params or group is None:
+        yield
+        return
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+        locals_ = [local_tensor(p.grad) if p.grad is not None else None for p in params]
+        sizes = [local_tensor(p).numel() for p in params]
+        device = local_tensor(params[0]).device
+        flat = torch.cat([*(g.reshape(-1).float() if g is not None else torch.zeros(n, device=device)
+                            for g, n in zip(locals_, sizes)),
+                          torch.tensor([float(g is not None) for g in locals_], device=device)])
+        dist.all_reduce(flat, group=group)
+        pieces = flat[: sum(sizes)].split(sizes)
+        present = flat[sum(sizes):].tolist()
+        for p, piece, flag in zip(params, pieces, present):
+            if flag == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local_tensor(p.grad).copy_(piece.view_as(local_tensor(p.grad)))
+    finally:
+        for p, old in zip(params, earlier):
+            if old is None:
+                continue
+            if p.grad is None:
+                p.grad = old
+            else:
+                local_tensor(p.grad).add_(local_tensor(old))
+
+
+def summed_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Replace each tensor by its sum over `group`, in one all-reduce (one dtype; the same order and
+    shapes on every rank): DualPipe's two copies of a router's load counts before its bias update."""
+    if not tensors or group is None:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))

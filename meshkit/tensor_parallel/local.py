@@ -15,30 +15,37 @@ clipping and state dicts see nothing different) but runs the block on their loca
 - while a sharded module runs, its DTensor parameters are swapped for their local shards with
   `to_local(grad_placements=...)`: a colwise / rowwise weight's local gradient is its shard's
   gradient; a norm on the sequence shard gets a Partial gradient (each rank saw other tokens),
-  which FSDP's reduce-scatter or `place_grads_like_params` sums over tp as before.
+  which FSDP's reduce-scatter or `place_grads_like_params` sums over tp as before. A PEFT LoRA layer's
+  base, A and B are each placed and run this way by `tensor_parallel.lora.linear_shards` (the
+  replicated half with a Partial gradient), so the rowwise reduction sums base and adapter at once.
 
 Bytes and the memory layout are those of the DTensor path (same collectives, same sizes, norms on
 1/tp of the tokens). Used for blocks whose roles are plain colwise / rowwise / seq_norm / attention
 / mlp, without a rowwise bias, without torch.compile (dynamo would trace the parameter swap) and
 without a schedule that splits B from W (its deferred weight gradients wrap plain `nn.Linear`
 forwards; `compose._tp_on_local_shards`); anything else (q/k norms, replicated K/V rows, packed
-projections, MoE) keeps the styles.
+projections, MoE) keeps the styles. Multi-head latent attention (DeepSeek-V3) runs here in every
+block, beside either path for the rest of the block (`latent_attention_layers`): its replicated
+latent layers get partial gradients like the norms on the sequence shard.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter
+from meshkit.tensor_parallel.lora import COLUMN_ROLES, linear_base, linear_shards
 
-LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp"})
+LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp", "latent"})
 
 
 def _ranks_to_sequence(buf: torch.Tensor, size: int) -> torch.Tensor:
@@ -141,10 +148,12 @@ def block_runs_local(roles: dict[str, str], block: nn.Module) -> bool:
         return False
     modules = dict(block.named_modules())
     for name, role in roles.items():
-        module = modules[name]
+        module = linear_base(modules[name])  # a LoRA layer is judged by the linear it wraps
         if role in ("colwise", "kv_colwise", "rowwise") and not isinstance(module, nn.Linear):
             return False
         if role == "rowwise" and module.bias is not None:
+            # `_rowwise_forward` adds a bias after the sum, but only multi-head latent attention (which
+            # always runs here) is tested with one; other biased rowwise layers keep the styles
             return False
     return True
 
@@ -189,18 +198,45 @@ def apply_local_block(block: nn.Module, roles: dict[str, str], mesh: DeviceMesh,
     leave = reduce_scatter_sequence if sequence_parallel else all_reduce_partial
     for name, role in roles.items():
         module = modules[name]
-        if role in ("colwise", "kv_colwise"):
-            _distribute(module, mesh, lambda _: Shard(0))
-            _run_on_local_params(module, None)
+        if role in COLUMN_ROLES or role == "rowwise" and linear_base(module) is not module:
+            # a plain column linear, or a LoRA layer's base, A and B (`tensor_parallel.lora`), each on its shard
+            for linear, placement, grads in linear_shards(module, role):
+                _distribute(linear, mesh, lambda _, p=placement: p)
+                _run_on_local_params(linear, grads)
+            if role == "rowwise":  # the adapter's partial joins the base's before the one reduction
+                module.register_forward_hook(lambda m, args, out: leave(out, mesh))
         elif role == "rowwise":
-            _distribute(module, mesh, lambda _: Shard(1))
-            _run_on_local_params(module, None)
-            module.register_forward_hook(lambda m, args, out: leave(out, mesh))
-        elif role == "seq_norm" and sequence_parallel:
+            _distribute(module, mesh, lambda leaf: Shard(1) if leaf == "weight" else Replicate())
+            # A replicated bias joins once, after the sum: on this rank's tokens under SP (a partial
+            # gradient), on every token without SP (the complete one).
+            module.forward = functools.partial(_rowwise_forward, module, leave, mesh,
+                                               (Partial(),) if sequence_parallel else None)
+        elif role == "seq_norm" and sequence_parallel or role == "latent":
+            # a norm on the sequence shard saw this rank's tokens, a latent layer served its heads
             _distribute(module, mesh, lambda _: Replicate())
             _run_on_local_params(module, (Partial(),))
         elif role in ("attention", "mlp"):
             module.register_forward_pre_hook(_input_hook(enter, mesh), with_kwargs=True)
+
+
+def _rowwise_forward(module: nn.Linear, leave, mesh: DeviceMesh, bias_grad: tuple | None,
+                     x: torch.Tensor) -> torch.Tensor:
+    out = leave(F.linear(x, module.weight.to_local()), mesh)
+    return out if module.bias is None else out + module.bias.to_local(grad_placements=bias_grad)
+
+
+def latent_attention_layers(roles: dict[str, str]) -> dict[str, str]:
+    """The attention module and layers of a block with multi-head latent attention ({} without one).
+
+    They run on local shards whichever path the rest of the block takes: under the ParallelStyles
+    the attention input would be a Replicate DTensor, the shared rope key (copied by HF into every
+    local head's key) has no module output a style could mark as partial, and each up-projection
+    would reduce its own input gradient, mixing complete and partial gradients in the latent layers.
+    """
+    owner = next((name for name, role in roles.items() if role == "attention"), None)
+    if owner is None or "latent" not in roles.values():
+        return {}
+    return {name: role for name, role in roles.items() if name == owner or name.startswith(owner + ".")}
 
 
 def apply_local_norm(norm: nn.Module, mesh: DeviceMesh) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshkit.integrations.peft.layers import is_lora_layer
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
 from meshkit.tensor_parallel.local import (
@@ -34,7 +35,9 @@ from meshkit.tensor_parallel.local import (
     apply_local_block,
     apply_local_norm,
     block_runs_local,
+    latent_attention_layers,
 )
+from meshkit.tensor_parallel.lora import apply_adapter_style
 from meshkit.tensor_parallel.rows import apply_selected_rows
 
 
@@ -124,12 +127,19 @@ def apply_tensor_parallel(
         rows = roles_lib.selected_rows(roles, parts.config, tp_mesh.size(), rank)
         apply_selected_rows(block, rows, tp_mesh)
         roles_lib.localize_head_counts(block, roles, parts.config, tp_mesh.size())
-        kept = {name: role for name, role in roles.items() if name not in rows}
+        latent = latent_attention_layers(roles)
+        apply_local_block(block, latent, tp_mesh, sequence_parallel)
+        kept = {name: role for name, role in roles.items() if name not in rows and name not in latent}
         if local and not rows and block_runs_local(kept, block):
             # its linears return fresh tensors (no DTensor views), which HF may edit in place
             apply_local_block(block, kept, tp_mesh, sequence_parallel)
         else:
-            parallelize_module(block, tp_mesh, _block_styles(kept, sequence_parallel))
+            # LoRA layers get the adapter's style (`tensor_parallel.lora`), which follows the base's role
+            adapters = {name: role for name, role in kept.items() if is_lora_layer(block.get_submodule(name))}
+            plain = {name: role for name, role in kept.items() if name not in adapters}
+            parallelize_module(block, tp_mesh, _block_styles(plain, sequence_parallel))
+            for name, role in adapters.items():
+                apply_adapter_style(block.get_submodule(name), role, tp_mesh, sequence_parallel)
             for name in roles_lib.outputs_edited_in_place(kept, parts.config):
                 block.get_submodule(name).register_forward_hook(_own_output)
         apply_head_params(block, roles_lib.head_params(block, parts.config), tp_mesh)

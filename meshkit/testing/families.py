@@ -8,7 +8,7 @@ on one of its two layers. Shapes come from `ModelSpec` (4 query heads, 2 K/V hea
 
 from __future__ import annotations
 
-from meshkit.testing.reference import ModelSpec
+from meshkit.testing.reference import LoraSpec, ModelSpec
 
 # model_type -> (config field, value) pairs that make its quirks matter in a tiny model.
 FAMILY_FIELDS: dict[str, tuple] = {
@@ -52,6 +52,13 @@ MOE_KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 _KV_HEADS = {"deepseek_v3": 4}
 
 
+# A LoRA adapter on every attention linear and every dense MLP's (a regular expression: PEFT's
+# "all-linear" would add an MoE model's experts, which meshkit refuses to adapt), B non-zero.
+LORA = LoraSpec(targets=r".*\.(self_attn|mlp)\.[a-z_]+_proj")
+# Families whose linears tensor parallelism row-selects (packed projections): LoRA under tp is refused.
+_PACKED = {"phi3": "'packed_qkv' layer", "glm4": "'packed_gate_up' layer"}
+
+
 def family_spec(kind: str, **fields) -> ModelSpec:
     """The tiny `ModelSpec` of family `kind` (any ModelSpec field may be overridden)."""
     defaults = {**(MOE_FIELDS if kind in MOE_KINDS else {}),
@@ -59,22 +66,11 @@ def family_spec(kind: str, **fields) -> ModelSpec:
     return ModelSpec(**{"kind": kind, "extra": FAMILY_FIELDS[kind], **defaults, **fields})
 
 
-def ring_refusal(kind: str, seq: int) -> str | None:
-    """The phrase meshkit's refusal of the ring kinds of CP contains for this family, or None."""
-    fields = dict(FAMILY_FIELDS[kind])
-    if fields.get("attn_logit_softcapping"):
-        return "attn_logit_softcapping"
-    if fields.get("sliding_window") and seq > fields["sliding_window"]:
-        return "sliding window"
-    return None
-
-
-def plan_refusal(kind: str, shape: str, seq: int) -> tuple[str, str] | None:
+def plan_refusal(kind: str, shape: str) -> tuple[str, str] | None:
     """(a phrase of the reason, a phrase of the fix) meshkit's refusal of family `kind` under the family
-    test's plan shape `shape` contains, or None when meshkit runs it."""
-    if shape in ("ring", "zigzag"):
-        phrase = ring_refusal(kind, seq)
-        return None if phrase is None else (phrase, "cp_attention='ulysses'")
-    if shape == "tp" and dict(FAMILY_FIELDS[kind]).get("kv_lora_rank"):
-        return "multi-head latent attention", "the largest tp that works is 1"
+    test's plan shape `shape` contains, or None when meshkit runs it (only LoRA refuses families)."""
+    if shape == "lora" and kind == "deepseek_v3":  # PEFT turns the MLP targets into the experts' parameters
+        return "target_parameters", "target_parameters=None"
+    if shape == "lora" and kind in _PACKED:
+        return _PACKED[kind], "leave it out of target_modules"
     return None

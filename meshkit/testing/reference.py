@@ -45,6 +45,30 @@ _SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _ORIGINAL_KINDS = ("llama", "qwen3", "qwen2", "mistral", "mixtral", "qwen3_moe")
 
 
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A PEFT LoRA adapter on a ModelSpec's model. `b_nonzero` draws B like A (PEFT's
+    `init_lora_weights=False`): with B = 0 (PEFT's default) A's first gradient is zero, so a wrong A
+    gradient would pass unseen."""
+
+    r: int = 4
+    alpha: int = 8
+    targets: tuple[str, ...] | str = LLAMA_LINEARS  # module names, or one regular expression (PEFT's forms)
+    rslora: bool = False
+    b_nonzero: bool = True
+
+    def config(self):
+        """The peft.LoraConfig."""
+        from peft import LoraConfig
+
+        targets = self.targets if isinstance(self.targets, str) else list(self.targets)
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
+                          use_rslora=self.rslora, init_lora_weights=not self.b_nonzero)
+
+
 @dataclass
 class ModelSpec:
     """A tiny Llama-family model; every field is small enough for a 2-core machine."""
@@ -63,6 +87,7 @@ class ModelSpec:
     shared_expert: int = 0  # intermediate size of the MoE's shared expert (0: none)
     bias_update_rate: float = 0.0  # > 0: DeepSeek-V3 router-bias balancing
     extra: tuple = ()       # (config field, value) pairs: the family's math-changing fields
+    lora: LoraSpec | None = None  # a PEFT LoRA adapter: build() returns the PeftModel
 
     def config(self):
         """The HF config of this tiny model."""
@@ -118,6 +143,11 @@ class ModelSpec:
                         bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
         # HF's eager attention where its SDPA path would drop a quirk (Gemma-2's soft-capping).
         model.config._attn_implementation = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+        if self.lora is not None:
+            from peft import get_peft_model
+
+            torch.manual_seed(self.seed + 1)  # the adapter's draws, the same every call
+            model = get_peft_model(model, self.lora.config())
         return model
 
 
@@ -155,6 +185,7 @@ class BatchSpec:
 
 
 ADAM_EPS = 1e-5
+LORA_ADAM_EPS = 1e-3
 
 
 @dataclass
@@ -168,6 +199,7 @@ class Comparison:
     grad_norm: float = 0.0
     param: float = 0.0
     missing_grads: list[str] = field(default_factory=list)
+    frozen_mismatch: list[str] = field(default_factory=list)  # trainable here but frozen there, or a frozen grad
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -190,10 +222,14 @@ def compare_training(plan: meshkit.Plan | str, model: ModelSpec, batch: BatchSpe
     # of 1e-9 on a near-zero gradient component flips that component's update by up to lr. eps = 1e-5
     # still normalises real gradients (~1e-2) but keeps noise-level components linear, so parameters
     # compare at ~1e-7 while a real error (a missing reduction) still shows at the scale of lr.
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=ADAM_EPS)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr, eps=ADAM_EPS)
+    # A LoRA model's few adapter weights each take a whole normalised Adam step: eps 1e-3 (notes.md)
+    # keeps fp32 noise on their small gradients from moving them by up to lr.
+    eps = LORA_ADAM_EPS if model.lora is not None else ADAM_EPS
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=lr, eps=eps)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr, eps=eps)
     out = Comparison()
     ref_params = dict(ref.named_parameters())
+    out.frozen_mismatch = [n for n, p in pm.named_parameters() if p.requires_grad != ref_params[n].requires_grad]
     for step in range(steps):
         ids, labels = batch.make(model.vocab, step)
         pos = batch.positions(step)
@@ -207,6 +243,9 @@ def compare_training(plan: meshkit.Plan | str, model: ModelSpec, batch: BatchSpe
         out.ref_loss.append(ref_loss.item())
         if step == 0:
             for name, p in pm.named_parameters():
+                if not (p.requires_grad and ref_params[name].requires_grad):  # frozen (a LoRA base): no gradient
+                    out.frozen_mismatch += [f"{name} has a gradient"] if p.grad is not None else []
+                    continue
                 if p.grad is None:
                     out.missing_grads.append(name)
                     continue

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests_support import CI_PROFILE, examples
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, MixtralConfig
 
 from meshkit import estimate as est
 from meshkit.activation_checkpoint import AC_MODES
@@ -49,7 +49,16 @@ MOE_MODEL = dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_
                  num_key_value_heads=2, head_dim=8, vocab_size=258, num_local_experts=4, num_experts_per_tok=2)
 
 
+# DeepSeek-V3's multi-head latent attention, every block dense: 6 heads split 3/3 over tp=2, the latent
+# layers whole on every tp rank.
+MLA_MODEL = dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=6, vocab_size=258, q_lora_rank=16, kv_lora_rank=12, qk_rope_head_dim=4,
+                 qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=2)
+
+
 def _config(kw: dict):
+    if "kv_lora_rank" in kw:
+        return DeepseekV3Config(max_position_embeddings=512, use_cache=False, head_dim=kw["qk_rope_head_dim"], **kw)
     if "num_local_experts" in kw:
         return MixtralConfig(max_position_embeddings=512, use_cache=False, sliding_window=None, **kw)
     return LlamaConfig(max_position_embeddings=512, use_cache=False, **kw)
@@ -122,15 +131,16 @@ def _estimated_activations(config, *, batch: int, seq: int, tp: int, ac: str, dt
 # --------------------------------------------------------------------------- single process
 
 
-def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype) -> int:
-    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss."""
+def _measure_single(config, ac: str, batch: int, seq: int, dtype: torch.dtype, wrap=lambda model: model) -> int:
+    """meshkit's forward on one process (its stage, AC wrapper and loss), live bytes at the loss;
+    `wrap` makes the model what it trains (a PEFT LoRA model)."""
     from meshkit.activation_checkpoint import apply_activation_checkpointing
     from meshkit.models import llama
     from meshkit.models.stage import CausalLMStage
     from meshkit.step import loss as loss_lib
 
     torch.manual_seed(0)
-    model = _model(config).to(dtype)
+    model = wrap(_model(config)).to(dtype)
     acts.pin_attention(model)
     parts = llama.parts(model)
     stage = CausalLMStage(dict(enumerate(apply_activation_checkpointing(parts.blocks, ac))), parts.rotary,
@@ -210,11 +220,18 @@ MESH_PLANS["pp_tp_selective"] = "pp=2,tp=2,pp_microbatches=2,activation_checkpoi
 MESH_PLANS["pp_tied_fsdp"] = "pp=2,dp_shard=2,pp_microbatches=2"  # the head holds a copy of the embedding
 # Under the V both copies sit on pp rank 0 and are summed there: no all-reduce, rank 0 holds both.
 MESH_PLANS["pp_zb_v_tied_fsdp"] = "pp=2,dp_shard=2,pp_schedule=zb_v,pp_microbatches=2"
+# DualPipe: each rank holds two chunks, copies of its mirror's (2x parameters), both edges with the tied
+# embedding's two copies on each; every gradient summed over the pair in one flat all-reduce.
+MESH_PLANS["pp_dualpipe_tied_fsdp"] = "pp=2,dp_shard=2,pp_schedule=dualpipe,pp_microbatches=2"
 # One K/V head under tp=2: tensor parallelism replicates it (each rank holds the whole K/V projections
 # and computes its query heads' K/V rows), which a role table of plain colwise K/V would count as split.
 MESH_PLANS["tp_replicated_kv"] = "tp=2,dp_shard=2"
-MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {
-    key: MESH_MODEL | dict(tie_word_embeddings=True) for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp")} | {
+# Multi-head latent attention under tp with SP and selective AC: the latent layers run whole on the
+# gathered sequence (their saved tensors full length) and their partial gradients are all-reduced.
+MESH_PLANS["tp_latent_attention"] = "tp=2,dp_shard=2,activation_checkpointing=selective"
+MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {"tp_latent_attention": MLA_MODEL} | {
+    key: MESH_MODEL | dict(tie_word_embeddings=True)
+    for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp")} | {
     "tp_replicated_kv": MESH_MODEL | dict(num_key_value_heads=1)}
 MESH_BATCH, MESH_SEQ = 2, 16
 
@@ -230,7 +247,8 @@ def mesh_runs(dist) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp",
-                                 "pp_zb_v_tied_fsdp", "tp_replicated_kv"])
+                                 "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp", "tp_replicated_kv",
+                                 "tp_latent_attention"])
 def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:
     config, plan = _config(MESH_MODELS[key]), Plan.from_string(MESH_PLANS[key]).resolve(4)
     for rank, r in enumerate(mesh_runs[key]):
@@ -341,7 +359,8 @@ def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
 
 @pytest.mark.parametrize("schedule,pp,v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("zb_h1", 3, 1), ("zb_h1", 4, 1),
                                            ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2), ("zb_h2", 3, 1),
-                                           ("zb_v", 3, 2), ("dualpipe_v", 2, 2)])
+                                           ("zb_v", 3, 2), ("dualpipe_v", 2, 2), ("dualpipe", 2, 2),
+                                           ("dualpipe", 4, 2), ("zb_auto", 3, 1)])
 def test_pipeline_timing_extends_the_simulation_exactly(schedule: str, pp: int, v: int) -> None:
     from fractions import Fraction
 
@@ -350,11 +369,65 @@ def test_pipeline_timing_extends_the_simulation_exactly(schedule: str, pp: int, 
 
     for recompute in (Fraction(0), Fraction(1, 3)):
         for m in (4 * pp + 1, 5 * pp + 2, 6 * pp):
+            m += m % 2 if schedule == "dualpipe" else 0  # half the microbatches enter at each end
             timing = est.pipeline_timing(schedule, pp, m, v, recompute)
-            full = simulate(build_schedule(schedule, pp, m, v), Costs(1, 1 + recompute, 1))
+            costs = Costs(1, 1 + recompute, 1)  # zb_auto is built for them
+            full = simulate(build_schedule(schedule, pp, m, v, costs=costs), costs)
             assert timing.step_time == full.step_time, (schedule, pp, m, recompute)
             assert timing.bubble_fraction == full.bubble_fraction
             assert timing.peak_activations == full.peak_activations
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mha_tied"])
+def test_dualpipe_holds_its_mirrors_chunks_too(kind: str) -> None:
+    """DualPipe's parameter, gradient and optimizer memory on pp rank r is what 1F1B puts on ranks r and
+    pp-1-r together (each chunk on two ranks: 2x per rank, as DeepSeek-V3's report says)."""
+    config = _config(dict(SMALL[kind], num_hidden_layers=6))
+    one_f = Plan(pp=4, pp_microbatches=8).resolve(4)
+    dual = Plan(pp=4, pp_schedule="dualpipe", pp_microbatches=8).resolve(4)
+    for r in range(4):
+        mine, mirror = est.model_state(config, one_f, pp_rank=r), est.model_state(config, one_f, pp_rank=3 - r)
+        state = est.model_state(config, dual, pp_rank=r)
+        assert state.params == mine.params + mirror.params
+        assert state.optimizer_bytes == mine.optimizer_bytes + mirror.optimizer_bytes
+    whole = est.estimate(config, dual, 4, est.Workload(seq=256, mbs=1, microbatches=8))
+    assert any("DualPipe" in c.what for c in whole.comm)
+
+
+def test_zb_auto_bubble_is_the_simulators_at_the_devices_costs() -> None:
+    """The estimate's zb_auto bubble is that of the schedule zb_auto builds at the device's F/B/W (from
+    FLOPs, full AC's recompute in B) within the plan's memory limit; more memory, less bubble."""
+    from fractions import Fraction
+
+    from meshkit import metrics
+    from meshkit.pipeline.schedules import build_schedule
+    from meshkit.pipeline.simulate import Costs, simulate
+
+    config = _config(dict(SMALL["gqa"], num_hidden_layers=6))
+    workload = est.Workload(seq=256, mbs=1, microbatches=8)
+    bubbles = []
+    for limit in (2, 4, 7):
+        plan = Plan(pp=4, pp_schedule="zb_auto", pp_microbatches=8, pp_memory_limit=limit,
+                    activation_checkpointing="full").resolve(4)
+        estimate = est.estimate(config, plan, 4, workload)
+        flops = metrics.flops_per_token(config, 256, "full")
+        recompute = Fraction(3 * flops.recompute / flops.model).limit_denominator(8)
+        costs = Costs(1, 1 + recompute, 1)
+        expected = simulate(build_schedule("zb_auto", 4, 8, costs=costs, memory_limit=limit), costs)
+        assert estimate.sim.bubble_fraction == expected.bubble_fraction
+        assert max(estimate.sim.peak_activations) <= limit
+        bubbles.append(estimate.sim.bubble_fraction)
+    assert bubbles[0] > bubbles[1] >= bubbles[2]
+
+
+def test_plan_search_tries_dualpipe_and_zb_auto() -> None:
+    import dataclasses
+
+    config = _config(SEARCH_MODEL)
+    device = dataclasses.replace(est.DEVICES["h100"], memory_bytes=4096 * 2**20)
+    result = plan_search.search(config, 8, 512, 64 * 512, device, top=2000)
+    schedules = {c.plan.pp_schedule for c in result.plans if c.plan.pp > 1}
+    assert {"dualpipe", "zb_auto"} <= schedules, schedules
 
 
 # --------------------------------------------------------------------------------------- FLOPs

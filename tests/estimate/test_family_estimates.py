@@ -87,6 +87,23 @@ def test_active_parameters_of_mla_and_shared_experts(kind, fields):
     assert metrics.active_block_params(config, config.num_hidden_layers - 1) == _active_block_params(model, config)
 
 
+def test_latent_down_projections_are_computed_whole_on_every_tp_rank():
+    """Under tp every rank runs MLA's down-projections for the whole sequence: the step's compute time
+    holds (tp - 1) more copies of their forward and backward FLOPs, each rank's share 1/tp, than it
+    would if tp divided them (a dense DeepSeek-V3, so no MoE layer is measured)."""
+    from meshkit.models import roles
+
+    config = _spec("deepseek_v3", first_k_dense_replace=2).config()
+    plan, workload, device = meshkit.Plan(tp=2), Workload(seq=16, microbatches=2), DEVICES["h100"]
+    with_latents = estimate(config, plan, 2, workload).times["compute"]
+    with mock.patch.object(roles, "tp_replicated_params", lambda _: 0):
+        divided = estimate(config, plan, 2, workload).times["compute"]
+    replicated = config.hidden_size * (config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim)
+    share = workload.mbs * workload.seq / plan.tp / (device.peak_flops * workload.mfu)
+    expected = workload.microbatches * 3 * 2 * replicated * (plan.tp - 1) * config.num_hidden_layers * share
+    assert with_latents - divided == pytest.approx(expected, rel=1e-9)
+
+
 # ----------------------------------------------------------------------- mixed dense and MoE stacks
 
 
@@ -146,7 +163,8 @@ def test_flops_of_mixed_stacks_match_flop_counter(name):
 
 
 @pytest.mark.parametrize("schedule, pp, v", [("1f1b", 2, 1), ("zb_h1", 3, 1), ("interleaved_1f1b", 2, 2), ("zb_h2", 3, 1),
-                                           ("zb_v", 2, 2), ("dualpipe_v", 2, 2)])
+                                           ("zb_v", 2, 2), ("dualpipe_v", 2, 2), ("dualpipe", 4, 2),
+                                           ("zb_auto", 3, 1)])
 def test_pipeline_with_unequal_stages_matches_full_simulation(schedule, pp, v):
     """Stages of different weights (a dense first stage, MoE stages after it): the extended
     simulation equals the full one, step time, bubble and in-flight peaks."""
@@ -155,8 +173,10 @@ def test_pipeline_with_unequal_stages_matches_full_simulation(schedule, pp, v):
     weights = tuple(Fraction(1 + (s % 3), 2) for s in range(pp * v))
     for recompute in (Fraction(0), Fraction(1, 3)):
         for m in (4 * pp + 1, 6 * pp + 2):
+            m += m % 2 if schedule == "dualpipe" else 0  # half the microbatches enter at each end
             timing = pipeline_timing(schedule, pp, m, v, recompute, weights)
-            full = simulate(build_schedule(schedule, pp, m, v), StageCosts(1, 1 + recompute, 1, weights=weights))
+            costs = StageCosts(1, 1 + recompute, 1, weights=weights)  # zb_auto is built for them
+            full = simulate(build_schedule(schedule, pp, m, v, costs=costs), costs)
             assert timing.step_time == full.step_time, (schedule, pp, m, recompute)
             assert timing.bubble_fraction == full.bubble_fraction
             assert timing.peak_activations == full.peak_activations
@@ -180,24 +200,22 @@ DEEPSEEK_SHAPED = dict(hidden_size=256, intermediate_size=768, moe_intermediate_
                        routed_scaling_factor=2.5, first_k_dense_replace=2, vocab_size=4096,
                        max_position_embeddings=4096, tie_word_embeddings=False)
 # Layouts the search weighs (a few, to keep the test short; the full enumeration runs in the plan-search tests): experts
-# over ep, a pipeline whose first stage holds the dense blocks, both, and tp (refused: MLA).
+# over ep, a pipeline whose first stage holds the dense blocks, both, and tp (MLA split by heads).
 SEARCH_LAYOUTS = [meshkit.Plan(dp_shard=8, ep=4), meshkit.Plan(pp=2, dp_shard=4),
                   meshkit.Plan(pp=2, dp_shard=4, ep=2), meshkit.Plan(tp=2, dp_shard=4, ep=2)]
 
 
 def test_plan_search_on_a_deepseek_v3_shaped_stack():
-    """Dense first blocks no longer stop the search: it returns expert-parallel and pipelined plans,
-    each validates and fits its budget, the pipelined ones timed with stages of their own costs (here
-    the dense blocks' wide MLPs make the first stage the heavier), and tensor parallelism is rejected
-    with MLA's reason."""
+    """Dense first blocks no longer stop the search: it returns expert-parallel, pipelined and tensor-
+    parallel plans (MLA split by heads), each validates and fits its budget, the pipelined ones timed
+    with stages of their own costs (here the dense blocks' wide MLPs make the first stage the heavier)."""
     import transformers
 
     config = transformers.AutoConfig.for_model("deepseek_v3", **DEEPSEEK_SHAPED)
     device = DEVICES["h100"].__class__("small", 989e12, 0.5 * 1024**3, 450e9, 50e9, gpus_per_node=4)
     with mock.patch.object(plan_search, "layouts", lambda *_, **__: SEARCH_LAYOUTS):
         result = plan_search.search(config, 8, 1024, 16 * 1024, device, top=500)
-    assert {"ep+fsdp", "pp+fsdp", "pp+ep+fsdp"} <= set(result.best_by_family), result.rejected
-    assert "multi-head latent attention" in result.rejected["tp+ep+fsdp"]
+    assert {"ep+fsdp", "pp+fsdp", "pp+ep+fsdp", "tp+ep+fsdp"} <= set(result.best_by_family), result.rejected
     for cand in result.plans:
         cand.plan.validate(config, 8, 1024)
         assert cand.estimate.peak_bytes <= plan_search.budget(device)
@@ -219,6 +237,9 @@ def test_deepseek_v3_preset_has_the_published_size():
 # pipeline stage, Qwen2-MoE over two stages whose first holds only the dense block.
 MESH_CASES = {
     "deepseek_v3_ep_fsdp": ("deepseek_v3_first_dense", "dp_shard=4,ep=2"),
+    # MLA split by heads: up-projections colwise, o rowwise, the latent layers whole on every tp rank
+    # with partial gradients (all-reduced over tp)
+    "deepseek_v3_tp_ep": ("deepseek_v3_first_dense", "tp=2,dp_shard=2,ep=2"),
     "qwen2_moe_pp_ep": ("qwen2_moe_mlp_only", "pp=2,dp_shard=2,ep=2,pp_microbatches=2"),
 }
 MESH_BATCH, MESH_SEQ = 2, 16

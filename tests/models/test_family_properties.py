@@ -1,6 +1,6 @@
 """Hypothesis over the config fields that change the math: family, K/V heads against tp (split or
-replicated), head_dim, tied embeddings, rope scaling, windows against the sequence length, under a
-drawn plan shape on 4 ranks, against the single-device HF model; for the MoE families, the routing
+replicated), head_dim, tied embeddings, rope scaling, windows against the sequence length (in the
+zig-zag ring's blocks too), under a drawn plan shape on 4 ranks, against the single-device HF model; for the MoE families, the routing
 (top-k, its renormalisation, DeepSeek-V3's groups), shared experts and dense blocks in the stack."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _compare_on_rank(plan: str, model: ModelSpec, batch: BatchSpec):
 @st.composite
 def cases(draw):
     kind = draw(st.sampled_from(KINDS))
-    shape = draw(st.sampled_from(["tp", "ulysses", "pp"]))
+    shape = draw(st.sampled_from(["tp", "ulysses", "zigzag", "pp"]))
     kv = draw(st.sampled_from([1, 2, 4]))
     if kind == "olmo2":
         kv = 4  # its k_norm spans all K/V heads: replication is refused (tests/models/test_families.py)
@@ -41,7 +41,7 @@ def cases(draw):
     model = ModelSpec(kind=kind, heads=heads, kv_heads=kv, head_dim=draw(st.sampled_from([4, 8])),
                       tied=draw(st.booleans()), seed=draw(st.integers(0, 99)), extra=tuple(fields.items()))
     plan = {"tp": "tp=2,dp_shard=2", "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
-            "pp": "pp=2,dp_shard=2,pp_microbatches=2"}[shape]
+            "zigzag": "cp=2,dp_shard=2,cp_attention=zigzag", "pp": "pp=2,dp_shard=2,pp_microbatches=2"}[shape]
     if shape == "tp" and draw(st.booleans()):
         plan = "tp=4"  # kv=1 or 2: K/V heads replicated over 4 or 2 ranks each
     return plan, model, BatchSpec(batch=4, seq=seq, seed=draw(st.integers(0, 99)))
@@ -60,14 +60,15 @@ def moe_cases(draw):
     """An MoE family with the fields that change its routing and its stack drawn: top-k and whether
     it is renormalised, DeepSeek-V3's groups (n_group / topk_group), shared experts and dense first
     blocks, Qwen2-MoE's dense blocks (`mlp_only_layers`, `decoder_sparse_step`), OLMoE's q/k/v clamp,
-    K/V heads against tp; under TP x EP, Ulysses, the pipeline or EP alone."""
+    K/V heads against tp; under TP x EP (DeepSeek-V3's latent attention by heads), Ulysses, the
+    pipeline or EP alone."""
     kind = draw(st.sampled_from(["qwen2_moe", "olmoe", "deepseek_v3"]))
     fields = dict(FAMILY_FIELDS[kind])
     top_k = draw(st.sampled_from([1, 2]))
     fields["norm_topk_prob"] = draw(st.booleans())
     kv = 4
-    if kind == "deepseek_v3":  # 4 experts: groups of 4 / n_group, top_k of the kept groups' experts
-        n_group, topk_group = draw(st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]))
+    if kind == "deepseek_v3":  # 4 experts: groups of 4 / n_group (at least 2), top_k of the kept groups' experts
+        n_group, topk_group = draw(st.sampled_from([(1, 1), (2, 1), (2, 2)]))
         fields.update(n_group=n_group, topk_group=topk_group, n_shared_experts=draw(st.sampled_from([0, 1])),
                       first_k_dense_replace=draw(st.sampled_from([0, 1])))
         top_k = min(top_k, topk_group * 4 // n_group)
@@ -78,7 +79,7 @@ def moe_cases(draw):
     else:
         fields["clip_qkv"] = draw(st.sampled_from([None, 0.5]))
         kv = draw(st.sampled_from([2, 4]))  # its k_norm spans all K/V heads: replication is refused
-    shapes = ["ulysses", "pp", "ep"] + ([] if kind == "deepseek_v3" else ["tp_ep"])  # MLA refuses tp
+    shapes = ["ulysses", "pp", "ep", "tp_ep"]  # DeepSeek-V3's latent attention splits by heads over tp too
     plan = {"tp_ep": "dp_shard=2,tp=2,ep=2", "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
             "pp": "pp=2,dp_shard=2,pp_microbatches=2", "ep": "dp_shard=4,ep=2"}[draw(st.sampled_from(shapes))]
     model = family_spec(kind, kv_heads=kv, top_k=top_k, seed=draw(st.integers(0, 99)))

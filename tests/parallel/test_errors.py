@@ -126,3 +126,17 @@ def test_running_without_torchrun(plain_python_output):
 
 def test_single_process_runs_without_torchrun(plain_python_output):
     assert "LOSS" in plain_python_output, plain_python_output
+
+
+@pytest.mark.parametrize(
+    "plan, patterns",
+    [
+        ("pp=2,pp_schedule=dualpipe,pp_microbatches=3", ["pp_microbatches=3", "even", "pp_microbatches=4"]),
+        ("pp=3,pp_schedule=dualpipe,pp_microbatches=4", ["pp=3", "must be even", "fix: pp=4 or pp=2"]),
+        ("pp=2,pp_schedule=zb_auto,pp_memory_limit=0", ["pp_memory_limit=0", "smallest valid value is 1"]),
+    ],
+)
+def test_dualpipe_and_zb_auto_sizes(dist, plan, patterns):
+    """DualPipe with odd pp or an odd / too small microbatch count, zb_auto with a memory limit below any
+    schedule's: the field and its smallest valid value, on every rank, before any collective."""
+    _assert_every_rank_raised(_every_rank(dist(2), _parallelize, plan, ModelSpec(layers=4)), *patterns)

@@ -1,5 +1,6 @@
 """`pm.forward` and `pm.generate`: logits and greedy tokens equal to the single-device HF model under
-tp x fsdp, cp (zig-zag, Ulysses), pp and an expert-parallel MoE plan; seeded sampling reproducible;
+tp x fsdp, cp (zig-zag, Ulysses; Gemma 2's soft-cap and window in the zig-zag ring), pp and
+expert-parallel MoE plans (DeepSeek-V3's latent attention over tp); seeded sampling reproducible;
 the HF module's own forward/generate refused with a pointer to them; bad inputs refused everywhere."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ MOE = ModelSpec(layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
 MIXTRAL = ModelSpec(kind="mixtral", layers=2, intermediate=16, experts=4, top_k=2, vocab=96)
 GEMMA2 = family_spec("gemma2", vocab=96)  # soft-capping and a window shorter than the generated text
 GPT_OSS = family_spec("gpt_oss", vocab=96)  # sinks split over tp, windows, biased experts over ep, KV cache
+# Latent attention split by heads over tp, its latent KV cache. A vocabulary whose prompts hold no pad id
+# (0): HF's generate would infer an attention mask hiding it, which meshkit's does not.
+DEEPSEEK = family_spec("deepseek_v3", vocab=100)
 BATCH, SEQ, NEW = 4, 7, 6  # an odd length: every plan that splits the sequence must pad it
 
 
@@ -67,6 +71,8 @@ def _use_on_rank(plan: str, spec: ModelSpec) -> dict:
         ("pp=2,dp_shard=2,ep=2", MIXTRAL),
         ("tp=2,dp_shard=2", GEMMA2),
         ("tp=2,dp_shard=2,ep=2", GPT_OSS),
+        ("cp=2,dp_shard=2,cp_attention=zigzag", GEMMA2),
+        ("tp=2,dp_shard=2,ep=2", DEEPSEEK),
     ],
 )
 def test_logits_and_greedy_tokens_match_the_single_device_model(dist, plan, spec):

@@ -128,6 +128,9 @@ def test_compiled_blocks_match(dist):
         assert loss_err < 1e-5 and err < 2e-6
 
 
-def test_gradient_accumulation_under_pipelining(dist):
-    for err, loss_err in dist(4).run(_accumulate, "pp=2,dp_shard=2,pp_schedule=zb_h1", True):
+@pytest.mark.parametrize("plan", ["pp=2,dp_shard=2,pp_schedule=zb_h1",
+                                  # DualPipe: each call's mirror-pair sum leaves the window's earlier calls alone
+                                  "pp=2,dp_shard=2,pp_schedule=dualpipe,pp_microbatches=2"])
+def test_gradient_accumulation_under_pipelining(dist, plan):
+    for err, loss_err in dist(4).run(_accumulate, plan, True):
         assert err < 2e-6 and loss_err < 1e-5

@@ -32,15 +32,15 @@ class _Stage(nn.Module):
         return torch.tanh(self.proj(x))
 
 
-def _run(name: str, trace: list[TraceEvent] | None) -> tuple[list[torch.Tensor], dict]:
+def _run(name: str, trace: list[TraceEvent] | None, m: int = M) -> tuple[list[torch.Tensor], dict]:
     pp, rank = dist.get_world_size(), dist.get_rank()
-    schedule = build_schedule(name, pp, M)
+    schedule = build_schedule(name, pp, m)
     owner = schedule.stage_to_rank()
     stages = {s: _Stage(s) for s in range(schedule.num_stages) if owner[s] == rank}
     gen = torch.Generator().manual_seed(7)
-    xs = [torch.randn(ROWS, DIM, generator=gen) for _ in range(M)]
+    xs = [torch.randn(ROWS, DIM, generator=gen) for _ in range(m)]
     losses = run_schedule(schedule, stages, pp_group=dist.group.WORLD, microbatch_inputs=xs,
-                          loss_fn=lambda y, mb: y.square().sum() / M, shapes=TensorMeta((ROWS, DIM), torch.float32),
+                          loss_fn=lambda y, mb: y.square().sum() / m, shapes=TensorMeta((ROWS, DIM), torch.float32),
                           trace=trace)
     grads = {f"{s}.{n}": p.grad.clone() for s, stage in stages.items() for n, p in stage.named_parameters()}
     return losses, grads
@@ -98,30 +98,34 @@ def test_critical_path_sums_to_the_step(dist):
     assert all(path[c] >= 0 for c in CATEGORIES) and path["stage code"] > 0
 
 
-def _dualpipe_worker() -> list:
+def _dualpipe_worker(name: str, m: int) -> list:
     trace: list[TraceEvent] = []
-    _run("dualpipe_v", trace)
+    _run(name, trace, m)
     return [(e.kind, e.what, e.start, e.end) for e in trace]
 
 
-def test_dualpipe_v_pairs_post_each_ones_transfers_around_the_others_compute(dist):
-    """DualPipeV's F/B pairing on CPU/gloo: in every F-then-backward pair on two different stages, the
-    backward's gradient receive is posted before the forward computes, and the forward's output send
-    is posted before the backward computes, so each one's transfer overlaps the other's compute."""
+@pytest.mark.parametrize("name, m", [("dualpipe_v", M), ("dualpipe", 6)])
+def test_dualpipe_pairs_post_each_ones_transfers_around_the_others_compute(dist, name, m):
+    """DualPipe's and DualPipeV's F/B pairing on CPU/gloo: in every F-then-backward pair on two different
+    stages, the backward's gradient receive is posted before the forward computes, and the forward's
+    output send is posted before the backward computes, so each one's transfer overlaps the other's
+    compute. (DualPipe: a pair's two stages belong to the two directions.)"""
     pp = 2
-    schedule = build_schedule("dualpipe_v", pp, M)
+    schedule = build_schedule(name, pp, m)
     owner = schedule.stage_to_rank()
     pairs = 0
-    for rank, events in enumerate(dist(pp).run(_dualpipe_worker)):
+    for rank, events in enumerate(dist(pp).run(_dualpipe_worker, name, m)):
         posted = {str(a): e[3] for e in events if e[0] == "post" for a in e[1]}
         computes = [e for e in events if e[0] == "compute"]
         for (_, f, f_start, _), (_, b, b_start, _) in zip(computes, computes[1:]):
             if f.kind is not K.F or b.kind not in (K.B, K.BW) or f.stage == b.stage:
                 continue
             pairs += 1
-            if b.stage + 1 < schedule.num_stages and owner[b.stage + 1] != rank:
+            later = schedule.downstream(b.stage)
+            if later is not None and owner[later] != rank:
                 assert posted[f"RECV_B{b.stage}.{b.microbatch}"] <= f_start, f"rank {rank}: {f}, {b}"
-            if f.stage + 1 < schedule.num_stages and owner[f.stage + 1] != rank:
+            later = schedule.downstream(f.stage)
+            if later is not None and owner[later] != rank:
                 assert posted[f"SEND_F{f.stage}.{f.microbatch}"] <= b_start, f"rank {rank}: {f}, {b}"
     assert pairs >= pp, "the steady phase pairs forwards with backwards"
 

@@ -91,8 +91,12 @@ def test_pipeline_options_are_checked():
         Plan(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=1).validate(world_size=2)
     with pytest.raises(ValueError, match="pp_virtual_stages=2 with pp_schedule='zb_h1'"):
         Plan(pp=2, pp_schedule="zb_h1", pp_virtual_stages=2).validate(world_size=2)
-    with pytest.raises(ValueError, match="pp_schedule='dualpipe'"):
-        Plan(pp=2, pp_schedule="dualpipe")
+    with pytest.raises(ValueError, match="pp_schedule='dualpipe2'"):
+        Plan(pp=2, pp_schedule="dualpipe2")
+    with pytest.raises(ValueError, match=r"pp=3: DualPipe pairs rank r with rank pp-1-r.*fix: pp=4 or pp=2"):
+        Plan(pp=3, pp_schedule="dualpipe").validate(world_size=3)
+    with pytest.raises(ValueError, match=r"pp_split=\[1, 2, 3\]: 2 stages need 1 split points"):
+        Plan(pp=2, pp_schedule="dualpipe", pp_split=(1, 2, 3)).validate(world_size=2)
     with pytest.raises(ValueError, match=r"8 pipeline stages need at least 6 decoder layers"):
         Plan(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2).validate(_config(num_hidden_layers=2), 4)
     assert Plan.from_string("pp=2,pp_split=3").pp_split == (3,)
