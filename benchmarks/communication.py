@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtypes = {"fp32": "param_dtype=float32", "bf16 (fp32 grads)": "param_dtype=bfloat16,reduce_dtype=float32"}
     plans = {f"cp/{k}/{d}": f"cp=2,cp_attention={k.removesuffix('_keep')},{text}"
-             + (",cp_keep_kv=true" if k.endswith("_keep") else "") for k in CP_KINDS for d, text in dtypes.items()}
+             + (f",cp_keep_kv={str(k.endswith('_keep')).lower()}" if k.startswith(("ring", "zigzag")) else "")
+             for k in CP_KINDS for d, text in dtypes.items()}
     plans["fsdp/meshkit"] = "dp_shard=2"
     plans["tp/TP+SP"] = "tp=2"
     plans["tp/TP"] = "tp=2,sequence_parallel=false"

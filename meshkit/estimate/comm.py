@@ -151,6 +151,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
     before the MLP's reduce-scatter).
     """
+    plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     heads, kv, d = roles.kernel_dims(config)  # what CP moves (MLA: padded to one head dim)
     h, act = config.hidden_size, dtype_bytes(plan.param_dtype)
     m, mbs, seq = workload.microbatches, workload.mbs, workload.seq // plan.cp

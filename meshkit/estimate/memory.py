@@ -387,6 +387,7 @@ def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
 def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1) -> RankMemory:
     """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
     at once (the pipeline simulator's peak for that rank; 1 without pipelining)."""
+    plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     state = model_state(config, plan, pp_rank=pp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
