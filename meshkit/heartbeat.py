@@ -146,8 +146,9 @@ def start_for_process_group(timeout_s: float, on_silent: Callable[[list[Silent]]
                             namespace: str = "", interval_s: float | None = None) -> Heartbeat | None:
     """A started Heartbeat over the default process group's store, or None on one rank / no store.
 
-    `namespace` separates launches that share a store (torchrun's agent store outlives a restart:
-    pass the restart count, or a dead attempt's counters would look like silent ranks).
+    `namespace` separates heartbeats that share one store. A group formed by
+    `mesh.ensure_process_group` needs none: under torchrun each attempt's store is a namespace of its
+    own (`meshkit.attempt_store`), so a dead attempt's counters never look like silent ranks.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshkit import attempt_store
 from meshkit._compat.collectives import align_group_timeouts, set_default_group_timeout
 from meshkit._compat.mesh import concatenate_meshes, flatten_mesh, split_axis, submesh
 from meshkit.heartbeat import stop_all as stop_heartbeats
@@ -58,7 +59,8 @@ def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.
     """Initialise the default process group from torchrun's environment if nobody has; return world size.
 
     A single process started without torchrun gets a private one-rank group, so a plan whose degrees
-    are all 1 runs from a plain `python` script or notebook.
+    are all 1 runs from a plain `python` script or notebook. Under torchrun's shared rendezvous store
+    each restart attempt forms its group in a namespace of its own (`meshkit.attempt_store`).
     """
     if dist.is_initialized():
         return dist.get_world_size()
@@ -71,7 +73,14 @@ def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.
         # Forming the group waits for the slowest rank's start-up (imports: seconds on a loaded machine),
         # which a short collective timeout must not bound: gloo's connect would fail the whole job.
         forming_s = max(timeout_s, FORMING_TIMEOUT_S)
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=forming_s))
+        # Under torchrun's shared store, a namespace of this attempt's own: a restart must never read
+        # the killed attempt's addresses (meshkit.attempt_store).
+        store = attempt_store.for_this_attempt(timedelta(seconds=forming_s))
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=forming_s))
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=forming_s))
         if forming_s != timeout_s:
             set_default_group_timeout(timedelta(seconds=timeout_s))
     else:

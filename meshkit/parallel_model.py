@@ -362,11 +362,16 @@ class ParallelModel:
             update_expert_biases(part)
 
     # ------------------------------------------------------------ gradients
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale gradients so their global norm (over every axis, each shard counted once) is <= max_norm.
+
+        Returns the norm before clipping, identical on every rank, so a loop that skips a step on a
+        non-finite norm skips it on every rank. `error_if_nonfinite=True` raises ValueError on every
+        rank instead (as torch's option), before any gradient is scaled.
+        """
         self._check_window_closed("clip_grad_norm_")
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._norm_groups(),
-                               counted=self._norm_params())
+                               counted=self._norm_params(), error_if_nonfinite=error_if_nonfinite)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm without clipping."""

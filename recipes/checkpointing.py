@@ -2,7 +2,9 @@
 
 One command serves the first launch and every restart (`--resume auto`): the newest checkpoint under
 `save_dir` that verifies resumes, older ones are tried when newer ones are damaged (a warning names
-what was wrong), and with none at all the run starts fresh. A run never mixes its checkpoints with
+what was wrong, and a run that saves moves each damaged one aside to `<name>.damaged`, kept for
+inspection, so it never blocks the run's own save of that step), and with none at all the run
+starts fresh. A run never mixes its checkpoints with
 another run's: a fresh run into a `save_dir` holding checkpoints, or a resumed run that would save
 over newer checkpoints of its own (`--load-step` an older one), is refused unless `--overwrite`
 says to delete them. Verifying reads every byte, so rank 0 decides and broadcasts the decision.
@@ -12,17 +14,22 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import save_lock  # the recipe's own module beside this one (the script's folder is on sys.path)
 import torch
 import torch.distributed as dist
 
 import meshkit
 from meshkit.state import checkpoint, manifest, retention
 from meshkit.state.async_checkpoint import AsyncCheckpointer
+from meshkit.state.atomic import CheckpointWriteError
 
 AUTO = "auto"
+EXIT_SAVE_FAILED = 4  # a checkpoint could not be written and on_save_error = "stop" (docs/reliability.md)
+__all__ = ["EXIT_SAVE_FAILED", "Checkpointing", "CheckpointWriteError", "decide", "follow_schedule_after_resume"]
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Decision:
     notes: list[str] = field(default_factory=list)  # printed by rank 0: warnings, deletions
     error: str | None = None
     delete: list[str] = field(default_factory=list)  # --overwrite: checkpoints rank 0 deletes
+    move_aside: list[str] = field(default_factory=list)  # damaged checkpoints rank 0 renames to <name>.damaged
 
 
 def decide(cfg: Any) -> Decision:
@@ -60,6 +68,10 @@ def decide(cfg: Any) -> Decision:
     if found is not None and found.path is not None:
         record = _manifest_or_empty(found.path)
         decision = Decision(found.path, found.step or 0, record.get("run_id") or fresh_id, found.warnings())
+        if cfg.resume == AUTO and cfg.save_every:
+            # Newer checkpoints that failed verification would block this run's saves of those steps and
+            # read as "newer checkpoints of the run": renamed, kept for inspection, never in the way.
+            decision.move_aside = [path for path, _ in found.skipped]
     else:
         decision = Decision(run_id=fresh_id, notes=found.warnings() if found else [])
     if cfg.save_every:
@@ -79,6 +91,11 @@ def _check_save_dir(cfg: Any, decision: Decision) -> Decision:
     """Checkpoints in save_dir that this run would mix with or save over."""
     foreign = []
     for path, run_id in retention.run_ids(cfg.save_dir).items():
+        if path in decision.move_aside:
+            continue
+        if run_id is None and cfg.resume == AUTO and decision.path is not None:
+            decision.move_aside.append(path)  # no readable manifest: damaged, whose run it was is unknown
+            continue
         step = manifest.step_of(path) or 0
         ours = decision.path is not None and run_id == decision.run_id
         if not ours or step > decision.step:
@@ -117,12 +134,19 @@ class Checkpointing:
         if self.decision.error:
             raise ValueError(self.decision.error)  # the same on every rank, before any training
         if self.rank == 0:
+            lock = save_lock.held(cfg.save_dir)
+            if lock is not None:
+                lock.set_run_id(self.run_id)
             for note in self.decision.notes:
                 print(f"meshkit: {note}", flush=True)
             for path in self.decision.delete:
                 retention.remove(path)
+            for path in self.decision.move_aside:
+                print(f"meshkit: moved the damaged checkpoint {path} aside to {retention.move_aside(path)} (kept for "
+                      "inspection; this run saves that step again)", flush=True)
         self.saver = AsyncCheckpointer() if cfg.async_save and cfg.save_every else None
         self.resumed_extra: Any = None
+        self.failed_saves: list[str] = []  # on_save_error = "continue": checkpoints that could not be written
 
     @property
     def run_id(self) -> str:
@@ -156,10 +180,13 @@ class Checkpointing:
         kwargs = dict(scheduler=scheduler, step=step, extra=extra, run_id=self.run_id, global_batch=self.global_batch,
                       data=data)
         if self.saver is None:
-            self.pm.save_checkpoint(path, optimizer, **kwargs)
-            self._retain()
+            try:
+                self.pm.save_checkpoint(path, optimizer, **kwargs)
+                self._retain()
+            except CheckpointWriteError as err:
+                self._save_failed(err)
         else:
-            if self.saver.wait() is not None:  # the previous save is complete: prune now
+            if self._wait() is not None:  # the previous save is complete: prune now
                 self._retain()
             self.saver.save(path, self.pm, optimizer, **kwargs)
         return time.perf_counter() - start
@@ -167,12 +194,47 @@ class Checkpointing:
     def close(self) -> None:
         """Finish a save in flight (collective) and apply retention to it."""
         if self.saver is not None:
-            done = self.saver.wait()
-            self.saver.close()
+            try:
+                done = self._wait()
+            finally:
+                self.saver.close()
             if done is not None:
                 self._retain()
+
+    def _wait(self) -> str | None:
+        try:
+            return self.saver.wait()
+        except CheckpointWriteError as err:
+            self._save_failed(err)
+            return None
+
+    def _save_failed(self, err: CheckpointWriteError) -> None:
+        """A save that could not be written (disk full): stop (raise, said once by the caller) or, with
+        on_save_error = "continue", say so once and train on; the next save tries again."""
+        if self.cfg.on_save_error != "continue":
+            raise err
+        self.failed_saves.append(err.path)
+        if self.rank == 0:
+            print(f"meshkit: {err}; training continues (on_save_error = \"continue\"), the next save tries again",
+                  flush=True)
 
     def _retain(self) -> None:
         if self.rank == 0 and self.cfg.keep_last:
             for path in retention.prune(self.cfg.save_dir, self.cfg.keep_last):
                 print(f"meshkit: keep_last={self.cfg.keep_last}: deleted {path}", flush=True)
+
+
+def follow_schedule_after_resume(scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[float, float]:
+    """Set the learning rate of the restored step from this run's schedule; return (restored, now).
+
+    A checkpoint restores the scheduler's step and its last learning rate, but the schedule itself is
+    rebuilt from this run's [train] steps and warmup: a run extended with a larger --steps would take
+    its first step at the old schedule's rate and its next on the new curve. Stepping back and forward
+    once makes the restored step's rate the new schedule's, so the jump (if any) is one the caller sees.
+    """
+    restored = scheduler.get_last_lr()[0]
+    scheduler.last_epoch -= 1
+    with warnings.catch_warnings():  # "step() before optimizer.step()": no optimizer step is skipped here
+        warnings.simplefilter("ignore")
+        scheduler.step()
+    return restored, scheduler.get_last_lr()[0]

@@ -6,7 +6,8 @@ hours later at the first save or deep inside AdamW: a missing config file, a typ
 values of the wrong type or range, a sequence length or batch the plan cannot split, and a save
 directory that is not writable or too small for one checkpoint. The config checks are pure, so
 every rank raises the same ValueError without communicating; the filesystem checks differ per rank
-(each rank writes its own shards) and are agreed on with one all-reduce.
+(each rank writes its own shards) and are agreed on with one all-reduce; rank 0 also takes the save
+directory's lock, so a second run into the same directory is refused here, naming the first.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import checkpointing  # the recipe's own modules beside this one (the script's folder is on sys.path)
 import data_setup
+import save_lock
+import torch.distributed as dist
 from train_config import TrainConfig, build_model_config
 
 import meshkit
@@ -34,11 +37,11 @@ from meshkit.step.consensus import raise_if_any
 # Ranges of the known [train] and [data] fields; fields other modules add are type-checked only.
 AT_LEAST_1 = ("steps", "seq_len", "local_batch", "grad_accum", "log_every", "branching")
 AT_LEAST_0 = ("eval_every", "eval_batches", "save_every", "keep_last", "load_step", "threads", "warmup_steps",
-              "peak_tflops", "clip", "weight_decay", "heartbeat_s")
+              "peak_tflops", "clip", "weight_decay", "heartbeat_s", "nonfinite_max_consecutive", "nonfinite_max_total")
 POSITIVE = ("lr", "timeout_s")
 FRACTION = ("beta1", "beta2")  # [0, 1)
 RATIO = ("min_lr_ratio",)  # [0, 1]
-CHOICES = {"on_nonfinite": ("error", "skip")}
+CHOICES = {"on_nonfinite": ("error", "skip"), "on_save_error": ("stop", "continue")}
 # Keys of [model] that are no HF config field yet mean something: the recipe's own, and meshkit's Llama-MoE
 # switch (a `meshkit_moe` table swaps a Llama-family model's MLPs for meshkit MoE layers).
 RECIPE_MODEL_KEYS = ("path", "pretrained", "model_type", LLAMA_MOE_KEY)
@@ -191,30 +194,29 @@ def save_dir_problem(save_dir: str, needed: int | None) -> str | None:
     return None
 
 
-def check_filesystem(run: Any, model_config: Any) -> None:
-    """Collective: the save directory works for every rank, or every rank raises the same error."""
+def check_filesystem(run: Any, model_config: Any, take_lock: bool = True) -> None:
+    """Collective: the save directory works for every rank and no other run saves there (rank 0 takes
+    its lock, `save_lock`), or every rank raises the same error. `release_save_dir` undoes it.
+    `take_lock=False` (a dry check that will not train) only reports a live holder."""
     cfg = run.train
     problem = save_dir_problem(cfg.save_dir, checkpoint_bytes(model_config)) if cfg.save_every else None
+    if problem is None and cfg.save_every and (not dist.is_initialized() or dist.get_rank() == 0):
+        if not take_lock:
+            problem = save_lock.holder_problem(cfg.save_dir)
+        else:
+            lock, note = save_lock.SaveDirLock.acquire(cfg.save_dir)
+            if lock is None:
+                problem = note
+            elif note:
+                print(f"meshkit: {note}", flush=True)
     raise_if_any(problem)
 
 
-def restart_store_warning(env: dict[str, str] | None = None) -> str | None:
-    """Why a torchrun restart of this job may fail to rendezvous, with the fix; None when it cannot.
-
-    torchrun's c10d rendezvous shares one TCPStore with its workers (`TORCHELASTIC_USE_AGENT_STORE`),
-    and in torch 2.5 to 2.13 that store outlives a restart: the restarted workers' gloo groups find
-    the killed attempt's addresses under the same keys and a rank can connect to a dead peer
-    ("Connection refused" in gloo's connectFullMesh) before the new peer overwrites them, which
-    spends a `--max-restarts` (pytorch/pytorch#135712). The torch-side opt-out gives every attempt a
-    store of its own. Prefixing keys by TORCHELASTIC_RESTART_COUNT is not the fix: each node's agent
-    counts its own restarts, so nodes disagree on the count.
-    """
-    env = os.environ if env is None else env
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
-        return None
-    return ("meshkit: warning: torchrun shares its rendezvous store with the workers, and a restart can then "
-            "connect to the killed attempt's ranks (pytorch/pytorch#135712); fix: launch with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")
+def release_save_dir(cfg: Any) -> None:
+    """Give up this process's lock on the save directory (at the end of a run, however it ended)."""
+    lock = save_lock.held(cfg.save_dir)
+    if lock is not None:
+        lock.release()
 
 
 def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:
@@ -264,6 +266,7 @@ def check_only(run: Any, world: int) -> int:
     problems += data_setup.data_problems(run.data, run.train, model_config, model_dir)[1]
     if run.train.save_every:
         problems.append(save_dir_problem(run.train.save_dir, checkpoint_bytes(model_config)))
+        problems.append(save_lock.holder_problem(run.train.save_dir))  # a live run saving there
     if run.train.resume or run.train.save_every:
         problems.append(checkpointing.decide(run.train).error)
     problems = [p for p in problems if p]

@@ -57,8 +57,11 @@ class TrainConfig:
     load_step: int = 0  # resume from this step's checkpoint instead of the newest (0: the newest)
     overwrite: bool = False  # let a run delete checkpoints in save_dir it would otherwise refuse to mix with
     keep_last: int = 0  # keep only the newest K complete checkpoints (0: keep all)
+    on_save_error: str = "stop"  # a checkpoint that cannot be written (disk full): "stop" (exit 4) or "continue"
     async_save: bool = False  # write checkpoints in the background (DCP async_save); the step goes on
     on_nonfinite: str = "error"  # non-finite loss or grad norm: "error" stops naming the step, "skip" skips it
+    nonfinite_max_consecutive: int = 5  # on_nonfinite = "skip": more non-finite steps in a row stop the run (0: no limit)
+    nonfinite_max_total: int = 100  # on_nonfinite = "skip": more skipped steps in one launch stop the run (0: no limit)
     timeout_s: float = 600.0  # collective timeout of the process group
     heartbeat_s: float = 60.0  # a rank silent this long is named and the job ended (0: no heartbeat)
 

@@ -27,9 +27,8 @@ import data_setup  # the recipe's own modules beside this script (the script's f
 import preflight
 import torch
 import torch.distributed as dist
-from checkpointing import Checkpointing
+from checkpointing import EXIT_SAVE_FAILED, Checkpointing, CheckpointWriteError, follow_schedule_after_resume
 from data_setup import MarkovTokens
-from nonfinite import NonFiniteGuard
 from run_log import LOG_KEY, RunLog
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 from tqdm import tqdm
@@ -47,6 +46,7 @@ import meshkit
 from meshkit import heartbeat, metrics
 from meshkit.mesh import ensure_process_group, world_size_from_env
 from meshkit.state.run_record import resume_problem, run_record, with_run_record
+from meshkit.step.nonfinite import NonFiniteGuard
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -78,20 +78,6 @@ def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.opt
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def follow_schedule_after_resume(scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[float, float]:
-    """Set the learning rate of the restored step from this run's schedule; return (restored, now).
-
-    A checkpoint restores the scheduler's step and its last learning rate, but the schedule itself is
-    rebuilt from this run's [train] steps and warmup: a run extended with a larger --steps would take
-    its first step at the old schedule's rate and its next on the new curve. Stepping back and forward
-    once makes the restored step's rate the new schedule's, so the jump (if any) is one the caller sees.
-    """
-    restored = scheduler.get_last_lr()[0]
-    scheduler.last_epoch -= 1
-    with warnings.catch_warnings():  # "step() before optimizer.step()": no optimizer step is skipped here
-        warnings.simplefilter("ignore")
-        scheduler.step()
-    return restored, scheduler.get_last_lr()[0]
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -135,12 +121,10 @@ def train(run: RunConfig) -> dict[str, float]:
         timeout = heartbeat.collective_timeout_s()
         print(f"meshkit: collective timeout {'unknown' if timeout is None else f'{timeout:.0f} s'}, heartbeat "
               f"{f'{cfg.heartbeat_s:g} s' if beat is not None else 'off'}", flush=True)
-        restart_warning = preflight.restart_store_warning()
-        if restart_warning:
-            print(restart_warning, flush=True)
     try:
         return _train(run, model_config, ckpt_dir, load_weights, beat)
     finally:
+        preflight.release_save_dir(cfg)
         if beat is not None:
             beat.stop()
 
@@ -155,8 +139,8 @@ def _start_heartbeat(cfg: TrainConfig) -> heartbeat.Heartbeat | None:
         sys.stderr.flush()
         os._exit(EXIT_SILENT_RANK)
 
-    return heartbeat.start_for_process_group(cfg.heartbeat_s, end_job,
-                                             namespace=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # No namespace needed: each torchrun attempt's group has a store namespace of its own (meshkit.attempt_store).
+    return heartbeat.start_for_process_group(cfg.heartbeat_s, end_job)
 
 
 EXIT_SILENT_RANK = 3  # documented in docs/reliability.md
@@ -200,7 +184,9 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     problem = resume_problem(ckpt.resumed_extra, record, cfg.allow_batch_change) if ckpt.resuming else None
     if problem:  # the same checkpoint metadata on every rank: every rank raises
         raise ValueError(f"[train] resume={cfg.resume!r}: {problem}")
-    guard = NonFiniteGuard(cfg.on_nonfinite, rank)
+    guard = NonFiniteGuard(cfg.on_nonfinite, max_consecutive=cfg.nonfinite_max_consecutive,
+                           max_total=cfg.nonfinite_max_total, rank=rank,
+                           names=("[train] nonfinite_max_consecutive", "[train] nonfinite_max_total"))
 
     fpt = metrics.flops_per_token(model_config, cfg.seq_len, plan.activation_checkpointing, n_nonembedding)
     peak = metrics.peak_flops(dtype=plan.param_dtype, override=cfg.peak_tflops * 1e12 or None)
@@ -306,7 +292,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
     steady = times[1:] or times
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "median_step_s": statistics.median(steady),
                "total_s": sum(times), "eval_losses": eval_losses, "skipped_steps": list(guard.skipped),
-               "run_id": ckpt.run_id, "data_wait_s": sum(waits), "sample": sample,
+               "run_id": ckpt.run_id, "data_wait_s": sum(waits), "sample": sample, "failed_saves": ckpt.failed_saves,
                "loss_history": dict(logger.losses)}  # the whole run's, resumed launches included (loss.png)
     if rank == 0:
         drop = summary["first_loss"] - summary["last_loss"]
@@ -322,7 +308,7 @@ def _train(run: RunConfig, model_config: Any, ckpt_dir: Path | None, load_weight
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over steps {first_step}-{cfg.steps} "
               f"({'down' if drop > 0 else 'UP'} {abs(drop):.4f}, {data.reference}){held_out} | median step "
               f"{summary['median_step_s']:.3f}s | data wait {100 * sum(waits) / max(sum(times), 1e-9):.2f}% of step time | "
-              f"{memory} | "
+              f"{memory} | {guard.summary() + ' | ' if guard.skipped else ''}"
               f"TensorBoard: tensorboard --logdir {cfg.log_dir} | loss curve: "
               f"{plot or 'not drawn (pip install matplotlib)'}", flush=True)
     return summary
@@ -371,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"[rank {_rank()}] error: {err}\n")
         sys.stderr.flush()
         return 2
+    except CheckpointWriteError as err:  # disk full at a save (on_save_error = "stop"): every rank has it, one says it
+        if _rank() == 0:
+            sys.stderr.write(f"error: {err}\n")
+        return EXIT_SAVE_FAILED
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

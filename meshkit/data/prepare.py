@@ -5,21 +5,28 @@ The steps: resolve INPUT paths (`sources.find_inputs`), read every document into
 training documents, tokenize with `Dataset.map` over several processes (its progress bar), and write
 the flat token array, offsets, split ids, tokenizer and manifest.
 
-Why a temporary directory: everything is written under `.<output>.tmp-<pid>` next to the output and
-renamed into place only when complete, so an interrupted prepare leaves the old store (or nothing),
-never half a store. Why a fingerprint of the inputs: re-running with unchanged inputs and options is
-a no-op, so a recipe or Makefile can call prepare unconditionally.
+Why a temporary directory: everything is written under `.<output>.tmp-<host>-<pid>` next to the
+output and renamed into place only when complete, so an interrupted prepare leaves the old store (or
+nothing), never half a store; the next prepare of the same output removes the temporaries of a
+prepare that no longer runs. The tokenizing worker processes die with their parent (Linux:
+PR_SET_PDEATHSIG), so a killed prepare leaves no worker behind holding gigabytes. Why a fingerprint
+of the inputs: re-running with unchanged inputs and options is a no-op, so a recipe or Makefile can
+call prepare unconditionally; a store whose checksums fail is never "up to date", it is written again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,25 +78,39 @@ def _fingerprint(found: sources.Inputs, val_found: sources.Inputs | None, option
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _up_to_date(output: Path, fingerprint: str) -> dict[str, Any] | None:
+def _up_to_date(output: Path, fingerprint: str, progress: bool) -> dict[str, Any] | None:
+    """The store's manifest when it was written from these inputs and options and still verifies.
+
+    Checksums are checked (seconds per GB): a store damaged since it was written must be written
+    again, not reported "up to date".
+    """
     if not (output / store.MANIFEST).is_file():
         return None
     try:
-        opened = TokenStore(output, verify=False)
-    except ValueError:
+        manifest = json.loads((output / store.MANIFEST).read_text())
+    except (OSError, ValueError):
         return None
-    return opened.manifest if opened.manifest.get("inputs_fingerprint") == fingerprint else None
+    if not isinstance(manifest, dict) or manifest.get("inputs_fingerprint") != fingerprint:
+        return None
+    try:
+        return TokenStore(output, verify=True).manifest
+    except ValueError as err:
+        if progress:
+            print(f"prepare: the existing store does not verify ({err}); writing it again", file=sys.stderr,
+                  flush=True)
+        return None
 
 
 def _encode_batch(batch: dict[str, list], tok: Any, source: DocumentSource, eos_id: int) -> dict[str, list]:
+    """One `Dataset.map` batch: each document's token ids (EOS-terminated) and loss mask ([] for none)."""
     ids_out, masks_out = [], []
     for ids, mask in source.encode(tok, batch["text"]):
-        ids = list(ids)
+        ids = np.asarray(ids, dtype=np.int64)  # 8 bytes a token, not a Python int object each (one huge line)
         mask = None if mask is None else list(mask)
         if mask is not None and len(mask) != len(ids):
             raise ValueError(f"document source {source.name!r}: a mask of {len(mask)} for {len(ids)} tokens")
-        if not ids or ids[-1] != eos_id:
-            ids.append(eos_id)
+        if not len(ids) or ids[-1] != eos_id:
+            ids = np.append(ids, eos_id)
             if mask is not None:
                 mask.append(1)
         ids_out.append(ids)
@@ -128,7 +149,7 @@ def prepare(
                "val_fraction": val_fraction, "text_field": text_field, "globs": list(globs or []),
                "errors": errors, "seed": seed, "source": source.name, "format": FORMAT_VERSION}
     fingerprint = _fingerprint(found, val_found, options)
-    manifest = _up_to_date(output, fingerprint)
+    manifest = _up_to_date(output, fingerprint, progress)
     if manifest is not None:
         return PrepareResult(output, True, manifest)
     if output.exists() and not (output / store.MANIFEST).is_file() and any(output.iterdir()):
@@ -136,7 +157,10 @@ def prepare(
                          "(prepare replaces only a directory it wrote)")
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    for stale in remove_stale_temporaries(output):
+        if progress:
+            print(f"prepare: removed {stale} (left by a prepare that no longer runs)", file=sys.stderr, flush=True)
+    tmp = output.parent / f".{output.name}.tmp-{_ME}"
     shutil.rmtree(tmp, ignore_errors=True)
     work = tmp / ".work"
     work.mkdir(parents=True)
@@ -161,7 +185,7 @@ def _swap_into_place(tmp: Path, output: Path) -> None:
     """Rename the finished store over `output`; an older store is moved aside first, then deleted."""
     old = None
     if output.exists():
-        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        old = output.parent / f".{output.name}.old-{_ME}"
         output.rename(old)
     tmp.rename(output)
     if old is not None:
@@ -175,8 +199,10 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
     n_train_inputs = len(docs)
     if val_found is not None:
         docs = datasets.concatenate_datasets([docs, sources.read_documents(val_found, **read)])
+    split_ids = _split_ids(len(docs), n_train_inputs, val_fraction, seed)  # before any tokenizing
     if tok is None:
-        texts = (batch["text"] for batch in docs.select(range(n_train_inputs)).iter(batch_size=1000))
+        texts = ([p for text in batch["text"] for p in sources.pieces(text)]  # bounded memory, as tokenizing
+                 for batch in docs.select(range(n_train_inputs)).iter(batch_size=1000))
         if progress:  # seconds per MiB of input, silent otherwise: say what runs before the tokenize bar
             print(f"prepare: training a byte-level BPE of {vocab_size} tokens on the {n_train_inputs} input "
                   f"documents", file=sys.stderr, flush=True)
@@ -194,9 +220,10 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
     if processes > 1:  # one process per worker; Rust threads inside each would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     eos_id = int(tok.eos_token_id)
-    encoded = docs.map(_encode_batch, batched=True, batch_size=256, num_proc=processes if processes > 1 else None,
-                       remove_columns=["text"], fn_kwargs={"tok": tok, "source": source, "eos_id": eos_id},
-                       cache_file_name=str(work / "tokenized.arrow"), desc="tokenize")
+    with _workers_die_with_this_process():
+        encoded = docs.map(_encode_batch, batched=True, batch_size=256, num_proc=processes if processes > 1 else None,
+                           remove_columns=["text"], fn_kwargs={"tok": tok, "source": source, "eos_id": eos_id},
+                           cache_file_name=str(work / "tokenized.arrow"), desc="tokenize")
 
     vocab = len(tok)
     dtype = store.token_dtype(vocab)
@@ -220,7 +247,7 @@ def _write(found, val_found, tmp: Path, work: Path, tok, vocab_size, text_field,
                 for n, mask in zip(count, masks):
                     np.asarray(mask or np.ones(n), dtype=np.uint8).tofile(mask_f)
     return store.finish_store(
-        tmp, lengths, _split_ids(len(lengths), n_train_inputs, val_fraction, seed), dtype=dtype, eos_id=eos_id,
+        tmp, lengths, split_ids, dtype=dtype, eos_id=eos_id,
         vocab_size=vocab, tokenizer_sha256=tokenizers_lib.tokenizer_hash(tok), has_mask=has_mask,
         source=source.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
@@ -256,3 +283,67 @@ def _split_ids(n_docs: int, n_train_inputs: int, val_fraction: float, seed: int)
     if not (ids == store.SPLITS["train"]).any():
         raise ValueError("prepare: no training document left; fix: more inputs or a smaller --val-fraction")
     return ids
+
+
+# ------------------------------------------------------------------- processes and temporaries
+
+_ME = f"{socket.gethostname()}-{os.getpid()}"  # temporaries are named by host and pid: whose they are
+PR_SET_PDEATHSIG = 1
+_WATCHED: list[int] = []  # while non-empty: the pid whose death ends every process forked from it
+_HOOKED: list[bool] = []  # the at-fork hook is registered (once per process)
+
+
+@contextmanager
+def _workers_die_with_this_process():
+    """Every process forked meanwhile (`Dataset.map`'s worker pool and its manager) gets SIGKILL when
+    this process dies, so a killed prepare leaves no tokenizing worker behind (Linux; elsewhere a
+    no-op). Python's at-fork hook cannot be removed, so it is registered once and acts only inside."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    if not _HOOKED:
+        os.register_at_fork(after_in_child=_die_with_parent)
+        _HOOKED.append(True)
+    _WATCHED[:] = [os.getpid()]
+    try:
+        yield
+    finally:
+        _WATCHED.clear()
+
+
+def _die_with_parent() -> None:
+    if not _WATCHED or os.getpid() == _WATCHED[0]:
+        return
+    parent = _WATCHED[0]
+    _WATCHED.clear()  # the child's own forks are its business
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died between the fork and the prctl
+        os._exit(1)
+
+
+def remove_stale_temporaries(output: str | os.PathLike) -> list[str]:
+    """Remove the temporary and moved-aside directories of `output` left by prepares of this host that
+    no longer run (killed midway); return what was removed. Those of live prepares, and of other hosts
+    (whose processes cannot be checked from here), are left alone."""
+    output = Path(output)
+    removed = []
+    host = socket.gethostname()
+    for kind in ("tmp", "old"):
+        for path in output.parent.glob(f".{output.name}.{kind}-*"):
+            owner = path.name[len(f".{output.name}.{kind}-"):]
+            owner_host, _, pid = owner.rpartition("-")
+            if not pid.isdigit() or owner_host not in ("", host) or _running(int(pid)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

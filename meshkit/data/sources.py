@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 
-__all__ = ["TEXT", "DocumentSource", "Encoded", "find_inputs", "read_documents"]
+__all__ = ["TEXT", "DocumentSource", "Encoded", "find_inputs", "pieces", "read_documents"]
 
 TEXT_PATTERNS = ("*.txt", "*.md", "*.py")
 _SKIP_DIRS = {"__pycache__", ".git"}
 
-# One document: its token ids (EOS appended by `prepare` when missing) and an optional loss mask.
-Encoded = tuple[list[int], "list[int] | None"]
+# One document: its token ids (a list, or an int64 array for a document encoded in pieces; EOS appended
+# by `prepare` when missing) and an optional loss mask.
+Encoded = tuple["list[int] | np.ndarray", "list[int] | None"]
 
 
 def _text_value(value: Any, where: str) -> str:
@@ -41,9 +44,63 @@ def _text_value(value: Any, where: str) -> str:
     return value
 
 
+# Memory bounds of tokenizing: the tokenizer holds hundreds of bytes per token of what one call
+# encodes (offsets, token strings), and BPE on one long word grows faster than its length (a
+# 256k-character word without a space: 535 MB; 64k: 130 MB), so a 15 MB single line took 2.5 GB.
+# A longer text is encoded in pieces of at most PIECE_CHARS, one call at most CALL_CHARS characters.
+PIECE_CHARS = 1 << 16
+CALL_CHARS = 1 << 18
+# Where a long text is cut: before a space or tab that follows a non-space, or before a newline that
+# follows a letter or digit. Byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, Qwen's, `prepare`'s
+# own) never join characters across these points and read no context behind them, so the pieces'
+# tokens are exactly the whole text's. (Not after whitespace: a run of whitespace at the end of a
+# piece is split differently, and Llama 3 joins punctuation with the newlines after it.)
+_CUT = re.compile(r"(?<=\S)(?=[ \t])|(?<=[^\W_])(?=\n)")
+
+
+def pieces(text: str) -> list[str]:
+    """`text` in pieces of at most `PIECE_CHARS` characters (one piece when it is shorter).
+
+    Each cut is the last boundary (`_CUT`) in the second half of the window, so for byte-level BPE
+    tokenizers the tokens are exactly those of the whole text; a window without one (a line of no
+    spaces) is cut hard, and a token never spans that cut. Tokenizers that prepend a marker to the
+    text (SentencePiece's "▁") may differ by one token at each cut.
+    """
+    limit = PIECE_CHARS
+    out, start = [], 0
+    while len(text) - start > limit:
+        cut = None
+        for cut_match in _CUT.finditer(text, start + limit // 2, start + limit):
+            cut = cut_match.start()
+        cut = cut if cut is not None and cut > start else start + limit
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
 def _encode_text(tokenizer: Any, values: Sequence[str]) -> list[Encoded]:
-    ids = tokenizer(list(values), add_special_tokens=False)["input_ids"]
-    return [(row, None) for row in ids]
+    """Each value's tokens, encoded piecewise in calls of at most CALL_CHARS characters."""
+    split = [pieces(v) for v in values]
+    flat = [p for ps in split for p in ps]
+    ids: list[list[int] | np.ndarray] = []
+    call: list[str] = []
+    size = 0
+    for piece in flat + [None]:
+        if piece is None or (call and size + len(piece) > CALL_CHARS):
+            encoded = tokenizer(call, add_special_tokens=False)["input_ids"] if call else []
+            # A piece's ids as int64 at once: Python ints cost 8-36 bytes each for the whole document.
+            ids.extend(np.asarray(row, dtype=np.int64) if len(flat) > len(split) else row for row in encoded)
+            call, size = [], 0
+        if piece is not None:
+            call.append(piece)
+            size += len(piece)
+    out, i = [], 0
+    for ps in split:
+        row = np.concatenate(ids[i:i + len(ps)]) if len(ps) > 1 else ids[i]
+        out.append((row, None))
+        i += len(ps)
+    return out
 
 
 @dataclass(frozen=True)
@@ -134,6 +191,10 @@ def _text_records(files: list[Path], errors: str) -> Iterator[dict[str, str]]:
         raw = file.read_bytes()
         if not raw.strip():
             raise ValueError(f"{file}: empty file; fix: remove it from the inputs")
+        nul = raw.find(b"\x00")
+        if nul >= 0:  # valid UTF-8, so decoding would accept it: binary data, or UTF-16 text
+            raise ValueError(f"{file}: binary data, not text (a NUL byte at offset {nul}); fix: remove it from the "
+                             "inputs (or narrow --glob), or convert it to UTF-8 if it is UTF-16 text")
         yield {"text": _decode(raw, str(file), errors)}
 
 

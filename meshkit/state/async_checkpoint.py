@@ -7,7 +7,8 @@ because collectives from two threads on one group can interleave differently on 
 And the checkpoint is published exactly like a synchronous one (`atomic`): rank 0's thread writes
 the manifest and renames the temporary directory only after DCP's upload finished, so a crash at any
 moment leaves either the complete checkpoint or none. One save is in flight at a time; `wait`
-(collective) finishes it and raises on every rank when any rank's upload failed.
+(collective) finishes it and, when any rank's upload failed (disk full), removes the temporary
+directory and raises `atomic.CheckpointWriteError` on every rank.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from meshkit._compat.dcp import dcp_async_save
 from meshkit.state import atomic, checkpoint
-from meshkit.step.consensus import raise_if_any
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
@@ -39,6 +40,7 @@ class AsyncCheckpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshkit-checkpoint")
         self._pending: Future | None = None
         self._pending_path: str | None = None
+        self._pending_partial: str | None = None
 
     @property
     def in_flight(self) -> str | None:
@@ -68,20 +70,21 @@ class AsyncCheckpointer:
             return final
 
         self._pending = self._executor.submit(finish)
-        self._pending_path = final
+        self._pending_path, self._pending_partial = final, partial
 
     def wait(self) -> str | None:
-        """Finish the save in flight (collective); its path, or None when there was none."""
+        """Finish the save in flight (collective); its path, or None when there was none. Raises
+        `atomic.CheckpointWriteError` on every rank when the save failed."""
         if self._pending is None:
             return None
-        path, pending = self._pending_path, self._pending
-        self._pending = self._pending_path = None
+        path, partial, pending = self._pending_path, self._pending_partial, self._pending
+        self._pending = self._pending_path = self._pending_partial = None
         problem = None
         try:
             pending.result()
-        except Exception as err:  # noqa: BLE001 - reported on every rank below
-            problem = f"checkpoint {path}: the background save failed ({type(err).__name__}: {err})"
-        raise_if_any(problem)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank below
+            problem = atomic.describe_failure(err, partial)
+        atomic.abandon_if_failed(partial, path, problem)
         return path
 
     def close(self) -> None:

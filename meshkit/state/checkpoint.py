@@ -74,7 +74,8 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
     renamed to `path` only after every rank's shards, DCP's metadata and the manifest (run id, step,
     plan, `global_batch`, a checksum per file) are on disk, so `path` never holds half a checkpoint.
     Refused (ValueError on every rank, nothing written) when `path` already holds files, or when any
-    parameter or optimizer state is non-finite. `extra` (e.g. a data-loader position) is any
+    parameter or optimizer state is non-finite. A write that fails on any rank (disk full) raises
+    `atomic.CheckpointWriteError` on every rank, its temporary directory removed. `extra` (e.g. a data-loader position) is any
     picklable object saved once, from rank 0, like `step`. `data`: a loader with `state_dict()` (a
     `meshkit.data.PackedLoader`), whose state is rank-independent by design and saved once too;
     `load(..., data=loader)` restores it. `adapter_only`: only the parameters that train (a LoRA model's
@@ -84,7 +85,12 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
     state = state_dict(pm, optimizer, scheduler=scheduler, step=step, extra=extra, run_id=run_id, data=data,
                        adapter_only=adapter_only)
     final, partial = atomic.begin(path)
-    dcp.save(state, checkpoint_id=partial, planner=save_planner())
+    problem = None
+    try:
+        dcp.save(state, checkpoint_id=partial, planner=save_planner())
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - disk full, I/O: one error everywhere
+        problem = atomic.describe_failure(err, partial)
+    atomic.abandon_if_failed(partial, final, problem)
     atomic.publish_everywhere(partial, final, record(pm, step, run_id, global_batch))
     return final
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from meshkit.state import manifest
 
-__all__ = ["Resolution", "checkpoints", "prune", "remove", "resolve", "run_ids"]
+__all__ = ["DAMAGED_SUFFIX", "Resolution", "checkpoints", "move_aside", "prune", "remove", "resolve", "run_ids"]
+
+DAMAGED_SUFFIX = ".damaged"
 
 
 @dataclass
@@ -113,3 +115,19 @@ def remove(path: str | os.PathLike) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def move_aside(path: str | os.PathLike) -> str:
+    """Rename a damaged checkpoint to `<name>.damaged` (`.damaged-2`, ... when taken) and return the new path.
+
+    The files stay for inspection, but no listing (resume, retention, the save-dir policy) sees them
+    any more, and the step can be saved again: a damaged checkpoint must never block a restart.
+    Retention never deletes a moved-aside directory; delete it by hand once inspected.
+    """
+    path = Path(path)
+    target, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}-{n}")
+    os.replace(path, target)
+    return str(target)

@@ -18,15 +18,26 @@ def raise_if_any(problem: str | None, group: dist.ProcessGroup | None = None, de
         if problem:
             raise ValueError(problem)
         return
+    failing = gather_problems(problem, group, device)
+    if not failing:
+        return
+    lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failing)
+    raise ValueError(f"{len(failing)} of {dist.get_world_size(group)} ranks rejected their input:\n{lines}")
+
+
+def gather_problems(problem: str | None, group: dist.ProcessGroup | None = None,
+                    device: torch.device | str = "cpu") -> list[tuple[int, str]]:
+    """(rank, problem) of every rank of `group` that has one, the same list on every rank; one small
+    all-reduce when none has (the common case), the messages gathered only otherwise."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [(dist.get_rank() if dist.is_initialized() else 0, problem)] if problem else []
     flag = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
-        return
+        return []
     messages: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(messages, problem, group=group)
-    failing = [(rank, msg) for rank, msg in enumerate(messages) if msg]
-    lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failing)
-    raise ValueError(f"{len(failing)} of {len(messages)} ranks rejected their input:\n{lines}")
+    return [(rank, msg) for rank, msg in enumerate(messages) if msg]
 
 
 def sum_unless_any(problem: str | None, values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -70,13 +70,19 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_gr
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_groups=(),
-                    counted: list[torch.Tensor] | None = None) -> torch.Tensor:
+                    counted: list[torch.Tensor] | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale gradients in place so the global norm is at most `max_norm`; return the norm before clipping.
 
     `counted` (default `params`) are the parameters whose gradients make up the norm: a copy of a
-    weight held elsewhere too is scaled with the others but counted once.
+    weight held elsewhere too is scaled with the others but counted once. `error_if_nonfinite`: a
+    NaN or infinite norm raises ValueError before any gradient is touched; the norm is the global
+    one, identical on every rank, so every rank raises (a NaN in one rank's shard included).
     """
     norm = total_grad_norm(params if counted is None else counted, norm_type, extra_groups)
+    if error_if_nonfinite and not math.isfinite(float(norm)):
+        raise ValueError(f"the global gradient norm is {float(norm)} (a NaN or inf gradient on some rank); "
+                         "gradients left as they are; fix: skip optimizer.step() for this step "
+                         "(meshkit.step.nonfinite.NonFiniteGuard), lower the learning rate, or check the data")
     coef = float(max_norm) / (float(norm) + 1e-6)
     if coef < 1.0:
         for p in params:

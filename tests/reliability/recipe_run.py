@@ -4,6 +4,10 @@ pool (the uninterrupted reference), and the model and optimizer tensors of a che
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +53,44 @@ def checkpoint_tensors(checkpoint_dir: Path, out: Path) -> dict[str, torch.Tenso
     dcp_to_torch_save(str(checkpoint_dir), str(out))
     state = torch.load(out, weights_only=False)
     return {k: v for k, v in state.items() if k.startswith(("model.", "optim.state."))}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (torchrun's store: concurrent tests must not share 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_flags(rendezvous: str) -> list[str]:
+    """torchrun's flags for a single-node job on a port of its own: the default static rendezvous, or c10d."""
+    port = free_port()
+    if rendezvous == "static":
+        return ["--master-port", str(port)]
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}"]
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """The test's environment for a torchrun launch, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE unless given."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in extra:
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    return env
+
+
+def start_torchrun(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """`python -m torch.distributed.run ARGS` in a session of its own, output (both streams) piped."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(launcher: subprocess.Popen, timeout: float) -> tuple[int | None, str]:
+    """(exit status or None when it ran past `timeout`, output). A launcher past its time is killed
+    with its whole session: SIGKILL of the agent alone would leave its workers running."""
+    try:
+        output, _ = launcher.communicate(timeout=timeout)
+        return launcher.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        output, _ = launcher.communicate()
+        return None, output

@@ -2,15 +2,19 @@
 restarts and the run finishes exactly as if nothing had happened.
 
 The restart test is the one test here that launches `torchrun` (slow to start): the recipe trains a
-tiny Llama on 2 CPU ranks with `--resume auto` and `--max-restarts 1`; once the step-3 checkpoint is
-published the test SIGKILLs one worker, torchrun restarts the group, the same command resumes from
-the newest complete checkpoint, and the final loss (TensorBoard's scalar) and every parameter and
-optimizer tensor of the final checkpoint equal an uninterrupted run's bit for bit.
+tiny Llama on 2 CPU ranks with the documented restart command (`--max-restarts`, `--resume auto`,
+static or c10d rendezvous, no environment variable); once the step-3 checkpoint is published the
+test SIGKILLs one worker, torchrun restarts the group, the same command resumes from the newest
+complete checkpoint, and the final loss (TensorBoard's scalar) and every parameter and optimizer
+tensor of the final checkpoint equal an uninterrupted run's bit for bit.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +30,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import meshkit
 from meshkit import heartbeat
 from meshkit._compat.collectives import default_store
-from tests.reliability.recipe_run import ROOT, checkpoint_tensors, recipe_toml, train_in_pool
+from tests.reliability.recipe_run import (
+    ROOT,
+    checkpoint_tensors,
+    finish,
+    recipe_toml,
+    rendezvous_flags,
+    start_torchrun,
+    torchrun_env,
+    train_in_pool,
+)
 
 # --------------------------------------------------------------------------------------- heartbeat
 
@@ -91,22 +104,22 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-@pytest.mark.slow  # two torchrun launches of the recipe: minutes on 2 cores
-def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
+@pytest.mark.slow  # two torchrun attempts of the recipe: minutes on 2 cores
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path, rendezvous):
+    """The documented restart command as a user copies it (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE),
+    under torchrun's default static rendezvous and under c10d; only the port is the test's own."""
     config = tmp_path / "tiny.toml"
-    config.write_text(recipe_toml("dp_shard = -1", save_every=3, resume="auto"))
+    config.write_text(recipe_toml("dp_shard = -1", save_every=3))
     ref_dir, ref_logs = tmp_path / "reference", tmp_path / "reference-runs"
     reference = dist(2).run(train_in_pool, str(config), str(ref_dir), str(ref_logs))[0]
 
     save_dir, logs = tmp_path / "ckpt", tmp_path / "runs"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--monitor-interval", "0.2", str(ROOT / "recipes" / "train_llama.py"),
-               "--config", str(config), "--save-dir", str(save_dir), "--log-dir", str(logs)]
-    # A store per attempt: torchrun's shared store keeps the killed attempt's gloo addresses, and a
-    # restarted rank could connect to a dead peer (recipes/preflight.restart_store_warning).
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = start_torchrun(
+        ["--nproc-per-node", "2", "--max-restarts", "1", *rendezvous_flags(rendezvous), "--monitor-interval", "0.2",
+         str(ROOT / "recipes" / "train_llama.py"), "--config", str(config), "--save-dir", str(save_dir),
+         "--log-dir", str(logs), "--save-every", "3", "--resume", "auto", "--keep-last", "3", "--async-save"],
+        torchrun_env(), tmp_path)
     killed = None
     try:
         deadline = time.monotonic() + 240
@@ -117,15 +130,12 @@ def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
                     killed = workers[-1]
                     os.kill(killed, signal.SIGKILL)
             time.sleep(0.02)
-        output, _ = launcher.communicate(timeout=300)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        code, output = finish(launcher, timeout=400)
     assert killed is not None, "the run ended before a worker could be killed:\n" + (output or "")[-3000:]
-    assert launcher.returncode == 0, output[-4000:]
+    assert code == 0, output[-4000:]
     assert "meshkit: resumed from" in output and f"{save_dir}/step-0000000" in output, output[-4000:]
     assert output.count("meshkit: collective timeout 120 s, heartbeat 30 s") == 2  # [train] timeout_s, per launch
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in output  # no warning: each attempt has its own store
 
     assert _final_loss(logs) == _final_loss(ref_logs) == reference["last_loss"]
     ours = checkpoint_tensors(save_dir / "step-00000009", tmp_path / "ours.pt")
@@ -134,3 +144,40 @@ def test_killed_rank_restarts_and_finishes_bit_identically(dist, tmp_path):
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
     assert meshkit.state.checkpoint.verify(save_dir / "step-00000009") == []
+
+
+# ------------------------------------------------------------------------------------ a full disk
+
+
+@pytest.mark.slow  # a torchrun launch of the recipe
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) to mount a private tmpfs")
+def test_a_really_full_disk_stops_the_run_once_and_keeps_earlier_checkpoints(tmp_path):
+    """The save directory is a 2.5 MB tmpfs in a private mount namespace (the kernel's own ENOSPC, no
+    injection): steps 3 and 6 fit (about 1.1 MB each), step 9 does not. The run stops with the cause
+    said once, no DCP traceback, no `.partial` left, and both earlier checkpoints verify."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {tmp_path}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
+    config, disk, kept = tmp_path / "tiny.toml", tmp_path / "disk", tmp_path / "kept"
+    config.write_text(recipe_toml("dp_shard = -1", save_every=3))
+    disk.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *rendezvous_flags("static"),
+                str(ROOT / "recipes" / "train_llama.py"), "--config", str(config), "--save-dir", str(disk),
+                "--log-dir", str(tmp_path / "runs")]
+    script = (f"mount -t tmpfs -o size=3500k tmpfs {disk} && {shlex.join(torchrun)}; code=$?; "
+              f"cp -a {disk} {kept}; exit $code")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], env=torchrun_env(), capture_output=True, text=True,
+                          timeout=400, start_new_session=True)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert output.count("No space left on device") == 1, output[-6000:]
+    # Named from the errno, or (torch.save's writer reports a full disk without one) from the free space.
+    said = re.search(rf"error: checkpoint {re.escape(str(disk / 'step-00000009'))} was not saved: No space left on "
+                     rf"device \((errno 28|0 bytes free on the filesystem of {re.escape(str(disk))};.*)\) on rank",
+                     output)
+    assert said, output[-6000:]
+    assert "CheckpointException" not in output and 'train_llama.py", line' not in output  # no worker traceback
+    assert sorted(p.name for p in kept.iterdir() if p.name != ".meshkit-lock") == ["step-00000003", "step-00000006"]
+    for step in ("step-00000003", "step-00000006"):
+        assert meshkit.state.checkpoint.verify(kept / step) == []

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import math
+import multiprocessing
+import os
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 import meshkit
 from meshkit.state import checkpoint, manifest
+from meshkit.state.atomic import CheckpointWriteError
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "recipes") not in sys.path:
@@ -26,6 +35,7 @@ train_llama = importlib.import_module("train_llama")
 train_config = importlib.import_module("train_config")
 preflight = importlib.import_module("preflight")
 checkpointing = importlib.import_module("checkpointing")
+save_lock = importlib.import_module("save_lock")
 
 TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
@@ -163,6 +173,27 @@ def test_save_dir_policy_resume_auto_load_step_keep_last(dist, tmp_path):
     fresh = checkpointing.decide(replace(cfg, overwrite=True))
     assert fresh.path is None and fresh.error is None and fresh.delete == [str(root / "step-00000004")]
 
+def test_a_damaged_newest_checkpoint_never_blocks_resume_auto(dist, tmp_path):
+    """A restart after the newest checkpoint was damaged (a truncated shard): `--resume auto` resumes
+    from the older one, moves the damaged one aside (kept, renamed `.damaged`) instead of refusing it
+    as a newer checkpoint of the run, saves that step again and ends exactly where an undamaged run
+    ends. A checkpoint whose manifest no longer reads (run unknown) is moved aside the same way."""
+    pool = dist(2)
+    root = tmp_path / "ckpt"
+    base = {"save_dir": str(root), "log_dir": str(tmp_path / "runs"), "save_every": 2, "resume": "auto"}
+    first = pool.run(_train, base)[0]
+    shard = root / "step-00000004" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    (root / "step-00000000").mkdir()  # an older step whose manifest is gone (step 0: no save makes it)
+    (root / "step-00000000" / "manifest.json").write_text("{trunc")
+    again = pool.run_raw(_train, base)
+    assert all(o.ok for o in again), [o.message for o in again]
+    assert again[0].value["last_loss"] == first["last_loss"] and again[0].value["run_id"] == first["run_id"]
+    assert again[0].value["first_loss"] != first["first_loss"]  # resumed at step 3
+    assert "moved the damaged checkpoint" in again[0].output and "step-00000004.damaged" in again[0].output
+    assert _steps(root) == ["step-00000000.damaged", "step-00000002", "step-00000004", "step-00000004.damaged"]
+    assert checkpoint.verify(root / "step-00000004") == []
+    assert (root / "step-00000004.damaged" / "__1_0.distcp").stat().st_size == 100  # kept as it was found
 
 
 def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
@@ -171,7 +202,133 @@ def test_non_finite_step_stops_or_is_skipped_and_never_saved(dist, tmp_path):
     for o in pool.run_raw(_train, {**common, "save_dir": str(tmp_path / "error")}):
         assert o.exc_type == "ValueError" and o.message.startswith("step 2: non-finite gradient norm"), o.message
     assert _steps(tmp_path / "error") == ["step-00000001"]
-    skipped = pool.run(_train, {**common, "save_dir": str(tmp_path / "skip"), "on_nonfinite": "skip"})[0]
-    assert skipped["skipped_steps"] == [2, 3, 4]
+    skipped = pool.run_raw(_train, {**common, "save_dir": str(tmp_path / "skip"), "on_nonfinite": "skip"})
+    assert skipped[0].value["skipped_steps"] == [2, 3, 4]
+    assert "skipped 3 non-finite step(s): 2, 3, 4 |" in skipped[0].output  # the closing summary line
     for path in sorted((tmp_path / "skip").iterdir()):  # finite (save refuses anything else) and verified
         assert checkpoint.verify(path) == [], path
+    # Skipping has limits: a third non-finite step in a row stops the run on every rank, naming the limit.
+    limited = {**common, "save_dir": str(tmp_path / "limit"), "on_nonfinite": "skip", "nonfinite_max_consecutive": 2}
+    for o in pool.run_raw(_train, limited):
+        assert o.exc_type == "ValueError" and o.message.startswith("step 4: non-finite gradient norm"), o.message
+        assert "3 in a row ([train] nonfinite_max_consecutive=2)" in o.message and "skipped steps: 2, 3, 4" in o.message
+    assert _steps(tmp_path / "limit") == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+# ------------------------------------------------------------------------------ disk full at a save
+
+
+def _train_on_a_full_disk(settings: dict, full_step: int) -> dict:
+    """`_train`, with rank 1's shard of step `full_step` written into /dev/full: the kernel's own
+    ENOSPC on DCP's real write path (only where the file points is the test's)."""
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if torch.distributed.get_rank() == 1 and f"step-{full_step:08d}" in str(self.path):
+            os.symlink("/dev/full", Path(self.path) / "__1_0.distcp")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+    try:
+        return _train(settings)
+    finally:
+        FileSystemWriter.write_data = original
+
+
+def test_a_full_disk_at_a_save_is_named_once_cleaned_up_and_stops_or_continues(dist, tmp_path, capsys, monkeypatch):
+    pool = dist(2)
+    stop = tmp_path / "stop"
+    for o in pool.run_raw(_train_on_a_full_disk, {"save_dir": str(stop), "log_dir": str(tmp_path), "save_every": 2}, 4):
+        assert o.exc_type == "CheckpointWriteError", o.traceback
+        assert o.message.startswith(f"checkpoint {stop / 'step-00000004'} was not saved: No space left on device "
+                                    "(errno 28) on rank 1; the partial write was removed and every earlier checkpoint "
+                                    f"is untouched; the newest complete checkpoint is still {stop / 'step-00000002'}; "
+                                    "fix: free space"), o.message
+    assert sorted(os.listdir(stop)) == ["step-00000002"]  # no .step-00000004.partial left filling the disk
+    assert checkpoint.verify(stop / "step-00000002") == []
+
+    # on_save_error = "continue", saving in the background: step 2's save fails, training goes on, step 4 saves.
+    go_on = tmp_path / "continue"
+    settings = {"save_dir": str(go_on), "log_dir": str(tmp_path), "save_every": 2, "async_save": True,
+                "on_save_error": "continue"}
+    outcomes = pool.run_raw(_train_on_a_full_disk, settings, 2)
+    assert all(o.ok for o in outcomes), [o.traceback for o in outcomes]
+    assert outcomes[0].value["failed_saves"] == [str(go_on / "step-00000002")]
+    said = "was not saved: No space left on device (errno 28) on rank 1"
+    assert outcomes[0].output.count(said) == 1 and said not in outcomes[1].output  # once, by rank 0
+    assert "training continues" in outcomes[0].output
+    assert sorted(os.listdir(go_on)) == ["step-00000004"] and checkpoint.verify(go_on / "step-00000004") == []
+
+    # "stop" ends the recipe with exit status 4 and the message once (rank 0), no traceback.
+    def full(run):
+        raise CheckpointWriteError("checkpoint x was not saved: No space left on device", "x", "No space left")
+
+    monkeypatch.setattr(train_llama, "train", full)
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(TINY_TOML)
+    capsys.readouterr()  # the pool's forwarded output so far
+    assert train_llama.main(["--config", str(preset)]) == 4
+    err = capsys.readouterr().err
+    assert err == "error: checkpoint x was not saved: No space left on device\n", err
+
+# --------------------------------------------------------------------------------- save-dir lock
+
+
+def _race_for_the_lock(save_dir: str, start) -> bool:
+    start.wait()
+    lock, _ = save_lock.SaveDirLock.acquire(save_dir)
+    return lock is not None
+
+
+def test_of_runs_starting_at_once_exactly_one_takes_the_save_dir(tmp_path):
+    context = multiprocessing.get_context("fork")
+    start = context.Manager().Event()
+    with context.Pool(6) as processes:
+        pending = [processes.apply_async(_race_for_the_lock, (str(tmp_path), start)) for _ in range(6)]
+        time.sleep(0.5)
+        start.set()
+        assert sorted(p.get(timeout=60) for p in pending) == [False] * 5 + [True]
+
+
+def test_a_second_run_is_refused_at_preflight_and_a_dead_holders_lock_is_taken_over(dist, tmp_path):
+    pool = dist(2)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    base = {"save_dir": str(root), "log_dir": str(tmp_path / "runs"), "save_every": 2, "resume": "auto"}
+    assert save_lock.holder_problem(root) is None
+    holder, _ = save_lock.SaveDirLock.acquire(root)  # a live run: this test process, its run id chosen
+    holder.set_run_id("run-a")
+    assert save_lock.holder_problem(root) is None  # its own lock is no obstacle to this process
+    for o in pool.run_raw(_train, base):
+        assert o.exc_type == "ValueError" and f"save_dir={str(root)!r} is in use by another run (run run-a, pid " \
+            f"{os.getpid()} on {socket.gethostname()}" in o.message, o.message
+    assert not list(root.glob("step-*"))  # refused before any training
+    holder.release()
+
+    # A holder killed without releasing: its pid has ended, or now names another process (pid reuse).
+    for pid, start in [(_a_finished_pid(), None), (os.getpid(), 1)]:
+        record = {"token": "dead", "run_id": "run-b", "host": socket.gethostname(), "pid": pid, "proc_start": start}
+        (root / save_lock.LOCK).write_text(json.dumps(record))
+        run = pool.run_raw(_train, {**base, "steps": 2})
+        assert all(o.ok for o in run), [o.message for o in run]
+        assert f"took over the stale lock {root / save_lock.LOCK} (its process has ended: run run-b" in run[0].output
+        assert not (root / save_lock.LOCK).exists()  # released at the end of the run
+
+
+def _a_finished_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_which_locks_are_stale(tmp_path):
+    live = {"token": "t", "run_id": "run-c", "host": socket.gethostname(), "pid": 1,
+            "proc_start": save_lock._proc_start(1)}  # init: a live process that is not this one
+    (tmp_path / save_lock.LOCK).write_text(json.dumps(live))
+    assert "is in use by another run (run run-c, pid 1 on" in save_lock.holder_problem(tmp_path)  # a dry check
+    me = {"host": "node-a", "job": "job-1"}
+    assert save_lock.stale_reason({}, me, 0) is not None  # unreadable
+    assert save_lock.stale_reason({"host": "node-b", "job": "job-1"}, me, 0) == "an earlier attempt of this torchrun job"
+    assert save_lock.stale_reason({"host": "node-b", "job": "job-0"}, me, 60) is None  # another host, refreshed
+    assert "not refreshed" in save_lock.stale_reason({"host": "node-b", "job": None}, me, save_lock.STALE_S + 1)
+    alive = {"host": "node-a", "job": None, "pid": os.getpid(), "proc_start": save_lock._proc_start(os.getpid())}
+    assert save_lock.stale_reason(alive, me, save_lock.STALE_S + 1) is None  # same host: the pid decides
