@@ -32,6 +32,7 @@ BENCHMARKS = [
     ("pipeline", ["--out", str(RESULTS)], True),
     ("expert_parallel", ["--out", str(RESULTS / "expert_parallel.md")], True),
     ("data", ["--out", str(RESULTS / "data.md")], True),
+    ("trainer", ["--out", str(RESULTS / "trainer.md")], True),
     ("memory", ["--out", str(RESULTS)], False),
     ("lora", ["--out", str(RESULTS / "lora.md")], True),
     ("charts", ["--out", str(RESULTS)], False),  # after context_parallel: plots its measured memory table

@@ -16,6 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# First: filters the log lines torchao's import prints, before any meshkit module imports transformers'
+# modeling code, which imports torchao (see meshkit._compat.float8; it imports neither torch nor torchao).
+from meshkit._compat import float8 as _torchao_import_noise  # noqa: F401, I001
+
 if TYPE_CHECKING:
     from meshkit.compose import parallelize
     from meshkit.data_parallel.fused import fuse_optimizer_into_backward

@@ -38,6 +38,7 @@ def _saved_ops() -> set:
     aten = torch.ops.aten
     names = [
         "mm", "addmm", "bmm", "linear", "_grouped_mm",  # the last: MoE experts (aten op of torch._grouped_mm)
+        "_scaled_mm", "max", "amax",  # float8: its matmul and the amax reductions its scales come from
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",

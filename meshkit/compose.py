@@ -1,13 +1,17 @@
 """`parallelize`: apply a Plan to an unmodified HF model, in the one order that composes.
 
 Order: validate (every rank, before any collective) -> mesh -> pipeline split (other ranks' layers
-go to the meta device before anything touches them) -> TP/SP -> EP -> CP attention -> activation
-checkpointing -> torch.compile per block -> FSDP2 per unit (experts, embedding, each block,
-[norm, lm_head], stage root) over dp_shard x cp. TP comes before FSDP because FSDP must shard the
+go to the meta device before anything touches them) -> float8 linears -> TP/SP -> EP -> CP attention
+-> activation checkpointing -> torch.compile per block -> activation offload -> FSDP2 per unit
+(experts, embedding, each block, [norm, lm_head], stage root) over dp_shard x cp, with its host or
+NVMe offload. TP comes before FSDP because FSDP must shard the
 DTensors TP produced (2D). Under pipelining FSDP keeps gathered weights through the step
 (reshard_after_forward off) so microbatches do not re-gather them. AC wraps the block FSDP will
 wrap, so FSDP's all-gather hooks stay outside the recomputed region; compile sees a block with its
-TP collectives and checkpoint boundaries but not FSDP's hooks.
+TP collectives and checkpoint boundaries but not FSDP's hooks. float8 converts the linears before TP
+shards them (TP shards torchao's float8 modules); activation offload wraps the compiled block, so its
+saved-tensor hooks see what the compiled graph saves, and sits inside the FSDP unit, so gathered
+weights are parameters it leaves alone.
 
 The module is `compose`, not `parallelize`: `meshkit.parallelize` is the function, and a module of
 the same name beside it would be shadowed by it.
@@ -24,10 +28,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshkit import mesh as mesh_lib
 from meshkit._compat.collectives import align_group_timeouts
 from meshkit.activation_checkpoint import apply_activation_checkpointing
+from meshkit.activation_offload import apply_activation_offload
 from meshkit.context_parallel.hf import ContextParallelAttention
-from meshkit.data_parallel.fsdp import apply_data_parallel
+from meshkit.data_parallel import nvme
+from meshkit.data_parallel.fsdp import apply_data_parallel, needs_fsdp
 from meshkit.expert_parallel import MoE, apply_expert_parallel
-from meshkit.inference.forward import refuse_hf_forward
+from meshkit.float8 import convert as float8
+from meshkit.inference.hf_forward import install_hf_forward
 from meshkit.integrations.peft import model as peft_model
 from meshkit.models import llama, roles
 from meshkit.models import moe as moe_models
@@ -53,22 +60,27 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) ->
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     llama.use_meshkit_attention(model)
     split = _apply_pipeline_split(model, plan, mesh)
+    _apply_float8(split, plan, mesh)
     _apply_tensor_parallel(split, plan, mesh)
     expert_mesh = _apply_expert_parallel(split, plan, mesh)
     _keep_frozen(model, frozen)
     context_parallel = _context_parallel_attention(plan, mesh)
     blocks = _apply_activation_checkpointing(split, plan)
     _apply_compile(blocks, split.held_blocks, plan)
+    _apply_activation_offload(blocks, split.held_blocks, plan, mesh)
     stages = build_stages(split.parts, blocks, split.ranges, split.stage_ids, context_parallel, split.chunks)
     use_fsdp = apply_data_parallel(stages, _held_moes(split), plan, mesh, expert_mesh, tied=split.parts.tied)
-    for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
-        refuse_hf_forward(handle)
+    _apply_nvme_offload(stages, plan, mesh)
+    _apply_float8_scales(stages, plan, use_fsdp)
     align_group_timeouts()  # groups made while parallelizing (expert axes) time out like the default group
-    return ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
-                                                    reduce_tp_grads=plan.tp > 1 and not use_fsdp,
-                                                    tp_summed_params=_tp_summed_params(split, plan),
-                                                    tied_aliases=split.tied_aliases,
-                                                    tied_group=split.tied_group, mirror_group=split.mirror_group))
+    pm = ParallelModel(model, plan, mesh, Sharded(stages, mesh_lib.mesh_device(mesh),
+                                                  reduce_tp_grads=plan.tp > 1 and not use_fsdp,
+                                                  tp_summed_params=_tp_summed_params(split, plan),
+                                                  tied_aliases=split.tied_aliases, tied_group=split.tied_group,
+                                                  mirror_group=split.mirror_group))
+    for handle in {id(m): m for m in (model, llama.causal_lm(model))}.values():  # a PeftModel and its HF model
+        install_hf_forward(handle, pm)  # model(...) and model.generate run through meshkit from here on
+    return pm
 
 
 def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
@@ -106,6 +118,10 @@ def _validate(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> tuple[Pl
                                         ep=plan.ep, sequence_parallel=plan.sequence_parallel)
     problems += roles.structure_problems(parts.blocks, model.config, plan.tp)
     problems += peft_model.tp_problems(model, plan.tp) if peft_model.is_peft_model(model) else []
+    if plan.offload == "nvme":
+        problems += filter(None, [nvme.dir_problem(plan.offload_dir)])
+    if plan.float8 != "none" and not problems:
+        problems += float8.module_problems(parts.blocks, model.config, plan.tp, plan.float8)
     if problems:
         raise PlanError.of(*problems)
     if mesh is None:
@@ -216,6 +232,31 @@ def _apply_activation_checkpointing(split: _PipelineSplit, plan: Plan) -> list[n
     for i, block in zip(held, apply_activation_checkpointing([blocks[i] for i in held], plan.activation_checkpointing)):
         blocks[i] = block
     return blocks
+
+
+def _apply_float8(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) -> None:
+    """Swap the held blocks' projections for torchao's float8 linears (before TP shards them)."""
+    if plan.float8 != "none":
+        float8.apply_float8([split.parts.blocks[i] for i in split.held_blocks], split.parts.config,
+                            recipe=plan.float8, tp=plan.tp, fsdp=needs_fsdp(plan, mesh))
+
+
+def _apply_float8_scales(stages: dict[int, nn.Module], plan: Plan, use_fsdp: bool) -> None:
+    """Where FSDP all-gathers float8 weights, recompute their scales before each stage's forward."""
+    if plan.float8 != "none" and float8.gathers_in_float8(plan.float8, use_fsdp):
+        float8.apply_float8_scales(stages.values())
+
+
+def _apply_nvme_offload(stages: dict[int, nn.Module], plan: Plan, mesh: DeviceMesh) -> None:
+    """With offload="nvme": the optimizer state of this rank's FSDP units in a file under offload_dir."""
+    if plan.offload == "nvme":
+        nvme.apply_nvme_offload(list(stages.values()), plan.offload_dir, mesh_lib.mesh_device(mesh))
+
+
+def _apply_activation_offload(blocks: list[nn.Module], held: list[int], plan: Plan, mesh: DeviceMesh) -> None:
+    """Wrap each held (checkpointed, compiled) block so what autograd saves in it lives in host memory."""
+    if plan.activation_offload:
+        apply_activation_offload(blocks, held, mesh_lib.mesh_device(mesh))
 
 
 def _apply_compile(blocks: list[nn.Module], held: list[int], plan: Plan) -> None:

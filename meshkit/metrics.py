@@ -135,9 +135,9 @@ def flops_per_token(config: Any, seq_len: int, activation_checkpointing: str = "
 # Dense (no sparsity) peak per device. float32 means CUDA-core FP32: PyTorch leaves TF32 matmuls
 # off by default; pass an explicit peak when you enable TF32.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "h100": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12},  # SXM
-    "h100-pcie": {"bfloat16": 756.0e12, "float16": 756.0e12, "float32": 51.2e12},
-    "h200": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12},
+    "h100": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12, "float8": 1978.9e12},  # SXM
+    "h100-pcie": {"bfloat16": 756.0e12, "float16": 756.0e12, "float32": 51.2e12, "float8": 1513.0e12},
+    "h200": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12, "float8": 1978.9e12},
     "a100": {"bfloat16": 312.0e12, "float16": 312.0e12, "float32": 19.5e12},
 }
 

@@ -8,6 +8,7 @@ norm) and hands every state-dict path to `state/` (HF names, full state dicts, i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -35,12 +36,7 @@ from meshkit.state import checkpoint, full, hf_checkpoint, names
 from meshkit.step import loss as loss_lib
 from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
-from meshkit.step.grad_sync import (
-    copies_summed_per_call,
-    mirror_summed_per_call,
-    summed_in_place,
-    summed_per_call,
-)
+from meshkit.step.grad_sync import every_sum_of_a_call, summed_in_place
 from meshkit.step.router_aux import AuxLosses
 from meshkit.tensor_parallel.styles import dtensor_params, loss_context, place_grads_like_params
 
@@ -75,6 +71,7 @@ class ParallelModel:
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
         self.check_inputs = True
+        self.backward_context_open = False  # inside `backward_context`
         self._dp = axis(mesh, "dp")
         self._dp_cp = axis(mesh, "dp_cp")
         self._reduce_tp_grads = sharded.reduce_tp_grads
@@ -156,12 +153,9 @@ class ParallelModel:
 
     def dataloader(self, store: TokenStore | Mapping[str, TokenStore], *, seq_len: int, global_batch: int,
                    **kwargs) -> PackedLoader:
-        """A `meshkit.data.PackedLoader` feeding this model: dp rank and size from the mesh.
-
-        Checks first, on every rank alike, that the store's vocabulary fits the embedding and that
-        `seq_len` is within `max_position_embeddings`. `global_batch` counts rows over all dp ranks;
-        other keywords (seed, split, pack, weights, prefetch) go to the loader.
-        """
+        """A `meshkit.data.PackedLoader` feeding this model (dp rank and size from the mesh), after checking on
+        every rank that the store's vocabulary fits the embedding and `seq_len` max_position_embeddings.
+        `global_batch` counts rows over all dp ranks; other keywords (seed, split, pack...) go to the loader."""
         check_fits_model(store, seq_len, self.model.config)
         return PackedLoader(store, seq_len=seq_len, global_batch=global_batch, dp_rank=self.dp_rank,
                             dp_size=self.dp_size, **kwargs)
@@ -169,24 +163,14 @@ class ParallelModel:
     # ------------------------------------------------------------ the step
     def count_valid_tokens(self, labels: torch.Tensor) -> int:
         """Global number of predicted tokens in `labels` (after the one-token shift), over all data ranks.
-
-        For gradient accumulation, sum this over the window's batches and pass it as
-        `loss_denominator` to each `forward_backward` call: the accumulated gradient is then exactly
-        the gradient of the single-device loss of the whole window.
-        """
+        Summed over an accumulation window and passed as `loss_denominator` to each `forward_backward`
+        call, it makes the accumulated gradient exactly that of the single-device loss of the window."""
         shifted = loss_lib.shift_labels(labels.to(self.device))
         return loss_lib.global_valid_tokens(shifted, self._dp.get_group())
 
-    def forward_backward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        loss_denominator: int | float | None = None,
-        last_microbatch: bool = True,
-        parts: bool = False,
-    ) -> torch.Tensor | loss_lib.LossParts:
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                         loss_denominator: int | float | None = None, last_microbatch: bool = True,
+                         parts: bool = False) -> torch.Tensor | loss_lib.LossParts:
         """Forward and backward on this data rank's batch [B, S]; return the loss, gradients accumulated.
 
         The returned loss (detached, identical on every rank) is the single-device loss of the global
@@ -202,32 +186,61 @@ class ParallelModel:
         last: with `Plan(grad_sync="last_microbatch")` gradients then stay local until that call, and
         ZeRO-1/2 keep the gathered parameters for the next call (docs/data_parallel.md).
         """
-        if not isinstance(last_microbatch, bool):
-            raise ValueError(f"forward_backward: last_microbatch={last_microbatch!r} must be True or False")
-        if self._fused is not None and not last_microbatch:
-            raise ValueError("forward_backward: last_microbatch=False with the optimizer fused into backward: each "
-                             "call steps the parameters, so a gradient is never accumulated over a window; fix: "
-                             "one call per step, or the optimizer unfused")
+        self._check_call("forward_backward", last_microbatch)
         batch = self._prepare(input_ids, labels, position_ids)
-        self._window_open = not last_microbatch
         denominator = float(max(batch.valid_tokens if loss_denominator is None else loss_denominator, 1))
         weight = batch.valid_tokens / denominator  # this call's share of the window (1 without accumulation)
         self._aux.begin(weight)
         hf_aux = None
-        with mirror_summed_per_call(self._mirror_params, self._mirror_group), \
-                summed_per_call(self._tp_summed_params, self._tp_group), \
-                summed_per_call(self._tied_params, self._tied_group), \
-                copies_summed_per_call(self._tied_params if self._tied_group is None else []), \
-                loss_context(self.plan.tp > 1, self.plan.loss_parallel):
+        with self._gradient_call(last_microbatch), loss_context(self.plan.tp > 1, self.plan.loss_parallel):
             if self._schedules is not None:
                 share = self._pipeline_step(self._schedules.train, batch, denominator, last_microbatch)
             else:
                 share, hf_aux = self._step(batch, denominator, last_microbatch, weight)
+        return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
+
+    @contextlib.contextmanager
+    def backward_context(self, last_microbatch: bool = True) -> Iterator[None]:
+        """Around the model's own forward (pp = 1) and the backward of a loss of the caller's: the plan's
+        gradient policy, as `forward_backward` applies it (see `meshkit.inference.hf_forward`)."""
+        self._check_call("backward_context", last_microbatch)
+        self.backward_context_open = True
+        try:
+            with self._gradient_call(last_microbatch), zero_stages.backward_call(
+                    self._fsdp_roots, self.plan.zero, self.plan.grad_sync, last_microbatch):
+                yield
+        finally:
+            self.backward_context_open = False
+
+    @property
+    def finishes_grads_after_backward(self) -> bool:
+        """Whether gradients are final only after meshkit's work past backward (ZeRO-1, TP without FSDP, sums)."""
+        return bool((self.plan.zero == 1 and self._fsdp_roots) or self._reduce_tp_grads
+                    or self.sums_grads_after_backward)
+
+    @property
+    def has_router_aux_loss(self) -> bool:
+        """Whether router auxiliary terms enter the loss (weighed by `forward_backward` only)."""
+        return self._aux.active
+
+    def _check_call(self, what: str, last_microbatch: bool) -> None:
+        if not isinstance(last_microbatch, bool):
+            raise ValueError(f"{what}: last_microbatch={last_microbatch!r} must be True or False")
+        if self._fused is not None and not last_microbatch:
+            raise ValueError(f"{what}: last_microbatch=False with the optimizer fused into backward (each call "
+                             "steps the parameters: no window accumulates); fix: one call per step, or unfused")
+
+    @contextlib.contextmanager
+    def _gradient_call(self, last_microbatch: bool) -> Iterator[None]:
+        """The gradient sums meshkit makes itself around one call, then TP placement and fused steps."""
+        self._window_open = not last_microbatch
+        with every_sum_of_a_call((self._mirror_params, self._mirror_group), (self._tp_summed_params, self._tp_group),
+                                 (self._tied_params, self._tied_group)):
+            yield
             if self._reduce_tp_grads:
                 place_grads_like_params(dtensor_params(self.model_parts))
         if self._fused is not None:
             self._fused.after_call()
-        return self._loss(self._global_loss(share), self._aux.total(hf_aux, self.device), parts)
 
     def _step(self, batch: LocalBatch, denominator: float, last_microbatch: bool, weight: float):
         """One stage's forward and backward (no pipelining), under the zero stage's gradient policy;
@@ -237,6 +250,7 @@ class ParallelModel:
         with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
             share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
+            del logits  # vocabulary-wide, alive through backward otherwise (found by the dry run)
             hf_aux = self._aux.hf_term(weight)
             if hf_aux is None:
                 share.backward()
@@ -247,15 +261,10 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
                  position_ids: torch.Tensor | None = None, parts: bool = False) -> torch.Tensor | loss_lib.LossParts:
-        """The global-batch loss without touching gradients (eval mode is the caller's choice): the same
-        value `forward_backward` returns on the batch (CE plus router auxiliary terms; `parts=True`
-        returns them apart as `LossParts`).
-
-        Under pp > 1 the training schedule's forwards run alone, in its order, over the same
-        `pp_microbatches`. FSDP units are resharded afterwards: a unit left gathered (the last one is
-        never resharded after forward) would otherwise serve stale weights to the next forward if
-        the optimizer stepped in between.
-        """
+        """The global-batch loss without touching gradients (eval mode is the caller's choice): what
+        `forward_backward` returns on the batch (`parts=True`: `LossParts`). Under pp > 1 the training
+        schedule's forwards run alone. FSDP units are resharded afterwards: the last one, left gathered
+        after forward, would serve stale weights to the next forward once the optimizer stepped."""
         batch = self._prepare(input_ids, labels, position_ids)
         denominator = float(max(batch.valid_tokens, 1))
         self._aux.begin(1.0, measure=True)
@@ -282,14 +291,9 @@ class ParallelModel:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 gather: bool = False) -> torch.Tensor:
         """Logits [B, S, vocab] (fp32, no gradients) of this data rank's batch, equal to the single-device
-        model's, on every rank of every plan.
-
-        Any sequence length works (padded internally to what cp/SP need); context shards come back
-        gathered in token order; under pp the last stage's logits are broadcast to every pipeline
-        rank. Under tp with `loss_parallel` the vocabulary stays split: a DTensor `Shard(2)` over the
-        tp axis, so sharded evaluation needs no gather; `gather=True` returns the plain full tensor.
-        Collective over the whole mesh: every rank calls it. See `meshkit.inference.forward`.
-        """
+        model's, on every rank of every plan; any sequence length. Under tp with `loss_parallel` the
+        vocabulary stays split (a DTensor `Shard(2)`) unless `gather=True`. Collective: every rank calls
+        it. See `meshkit.inference.forward`."""
         return forward.forward(self, input_ids, position_ids, gather=gather)
 
     def generate(self, prompt_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
@@ -425,26 +429,19 @@ class ParallelModel:
     def save_hf_checkpoint(self, directory, *, tokenizer=None, max_shard_size: int | str = "5GB",
                            merge: bool = False) -> None:
         """Write a directory `from_pretrained` loads as it is: config, generation config, safetensors and,
-        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template.
-        Only rank 0 assembles the full state and writes; every rank calls it. A LoRA model writes its
-        adapter as `PeftModel.save_pretrained` does, or with `merge=True` the merged full model."""
+        given `tokenizer` (an HF tokenizer or its directory), the tokenizer with its chat template; rank 0
+        alone writes. A LoRA model writes its adapter as PEFT does, or with `merge=True` the merged model."""
         if merge or peft_model.is_peft_model(self.model):
             peft_export.save_hf(self, directory, merge=merge, tokenizer=tokenizer, max_shard_size=max_shard_size)
         else:
             hf_checkpoint.save_hf_checkpoint(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard.
-
-        Each parameter's values depend only on (seed, its HF name), never on the plan: the same seed
-        gives the same model under any plan. Memory peak is one full parameter, never the whole model.
-        """
+        """Initialise as HF would (normal(0, initializer_range), norms 1, biases 0), shard by shard: values
+        depend only on (seed, HF name), never on the plan; the peak is one full parameter, never the model."""
         full.init_weights(self, seed)
 
     def materialise(self) -> None:
-        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta.
-
-        `init_weights`, `load_full_state_dict` and the checkpoint loaders call it; call it yourself
-        only to fill the shards by other means.
-        """
+        """Give this rank's meta-device shards real (uninitialised) storage; other stages stay on meta. The
+        loaders and `init_weights` call it; call it yourself only to fill the shards by other means."""
         full.materialise(self)

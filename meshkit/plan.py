@@ -23,6 +23,7 @@ from meshkit.activation_checkpoint import AC_MODES
 from meshkit.context_parallel import rules as cp_rules
 from meshkit.context_parallel.sharding import required_multiple
 from meshkit.data_parallel.rules import memory_problems
+from meshkit.float8 import rules as float8_rules
 from meshkit.models import roles
 from meshkit.models import rules as model_rules
 from meshkit.pipeline import rules as pp_rules
@@ -82,10 +83,14 @@ class Plan:
     # costs F/B/W[/P2P] to build the schedule from (empty: measured on the first forward_backward).
     pp_memory_limit: int | None = None
     pp_costs: tuple[float, ...] = ()
-    # Memory (docs/data_parallel.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the host.
+    # Memory (docs/data_parallel.md): the ZeRO stage on dp_shard, when gradients cross ranks, what lives on the
+    # host (or, with offload="nvme", in files under offload_dir), saved activations on the host, float8 linears.
     zero: int = 3
     grad_sync: str = "every_microbatch"
     offload: str = "none"
+    offload_dir: str | None = None
+    activation_offload: bool = False
+    float8: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -127,12 +132,13 @@ class Plan:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {tuple(DTYPES)}")
-        for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv"):
+        for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv", "activation_offload"):
             if not isinstance(getattr(self, name), bool) and not (name == "cp_keep_kv" and self.cp_keep_kv is None):
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
         problems += memory_problems(self)
+        problems += float8_rules.float8_problems(self)
         _raise(problems)
 
     # ------------------------------------------------------------------ sizes
@@ -191,6 +197,12 @@ class Plan:
                 f"divide it (it never adds ranks of its own); fix: ep in "
                 f"{[d for d in range(1, plan.dp_shard * plan.cp + 1) if (plan.dp_shard * plan.cp) % d == 0]}"
             )
+        if plan.tp > 1 and plan.compile is True:
+            problems.append(
+                f"compile=True with tp={plan.tp}: on torch 2.13 a compiled block under tensor parallel hands back "
+                "plain-tensor gradients for its DTensor inputs and backward fails inside DTensor's redistribute; "
+                "fix: compile=False, or tp=1 (compile runs under FSDP, HSDP and pipeline parallel)"
+            )
         if plan.param_dtype == "float32" and plan.reduce_dtype != "float32":
             problems.append(
                 f"reduce_dtype={plan.reduce_dtype!r} with param_dtype='float32': reducing in lower precision "
@@ -203,6 +215,7 @@ class Plan:
                 problems += model_rules.model_problems(plan, model_config)
                 problems += pp_rules.layer_problems(plan, model_config)
                 problems += cp_rules.head_problems(plan, model_config)
+                problems += float8_rules.config_problems(plan, model_config)
         if seq_len is not None:
             if not isinstance(seq_len, int) or seq_len < 2:
                 problems.append(f"seq_len={seq_len!r}: need at least 2 tokens to predict one")
@@ -219,14 +232,11 @@ class Plan:
         reads back from `cp_choice` and `describe()`. Plans without context parallelism stay as they are."""
         if self.cp == 1 or (self.cp_attention != "auto" and self.cp_keep_kv is not None):
             return self
-        shape = None
-        if model_config is not None:
-            heads, kv_heads, head_dim = roles.kernel_dims(model_config)
-            shape = cp_rules.AttentionShape(model_config.hidden_size, heads, kv_heads, head_dim)
+        shape = None if model_config is None else \
+            cp_rules.AttentionShape(model_config.hidden_size, *roles.kernel_dims(model_config))
         choice = cp_rules.choose_cp(self, shape)
         plan = dataclasses.replace(self, cp_attention=choice.kind, cp_keep_kv=choice.keep_kv)
-        if choice.why:
-            object.__setattr__(plan, "_cp_choice", choice.why)
+        object.__setattr__(plan, "_cp_choice", choice.why or None)
         return plan
 
     @property
@@ -412,6 +422,8 @@ def _parse_value(cls: type, key: str, value: str) -> Any:
             return int(value)
         except ValueError:
             raise PlanError.of(f"{key}={value!r}: must be an int") from None
+    if kind.startswith("str") and "None" in kind and lowered in ("none", "null", ""):
+        return None
     if "bool" in kind:
         if lowered in ("none", "null", "auto") and "None" in kind:
             return None

@@ -25,6 +25,7 @@ from typing import Any
 
 import checkpointing  # the recipe's own modules beside this one (the script's folder is on sys.path)
 import data_setup
+import dry_run
 import save_lock
 import torch.distributed as dist
 from train_config import TrainConfig, build_model_config
@@ -230,12 +231,8 @@ def predicted_peak_bytes(model_config: Any, plan: meshkit.Plan, world: int, cfg:
     if spec is not None and len(spec.layers) != model_config.num_hidden_layers:
         return None
     plan = plan.resolve(world)
-    pipelined = plan.pp > 1
-    mbs = cfg.local_batch // plan.microbatches if pipelined else cfg.local_batch
-    microbatches = cfg.grad_accum * (plan.microbatches if pipelined else 1)
     device = "h200" if metrics.detect_device() == "h200" else "h100"  # memory does not depend on the device
-    workload = estimate.Workload(cfg.seq_len, max(mbs, 1), microbatches)
-    return estimate.estimate(model_config, plan, world, workload, device).peak_bytes
+    return estimate.estimate(model_config, plan, world, dry_run.workload(plan, cfg), device).peak_bytes
 
 
 def print_prediction(model_config: Any, plan: meshkit.Plan, world: int, cfg: TrainConfig) -> int | None:

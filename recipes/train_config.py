@@ -190,12 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, type=_TYPES[str(f.type)], help=text)
     meshkit.Plan.add_cli_args(parser)
-    check = parser.add_argument_group("check")
+    check = parser.add_argument_group("check and dry run")
     check.add_argument("--check", action="store_true",
                        help="validate config, plan, data and save dir on this one process (no torchrun), print the "
                             "estimate and exit: 0, or 2 listing every problem")
+    check.add_argument("--dry-run", action="store_true",
+                       help="run one step on a fake world of --world ranks (meshkit.dryrun) instead of training")
     check.add_argument("--world", type=int, default=0, metavar="N",
-                       help="with --check: the number of processes the run will launch (default: $WORLD_SIZE or 1)")
+                       help="with --check: the number of processes the run will launch (default: $WORLD_SIZE or 1); "
+                            "with --dry-run: the world size to simulate")
+    check.add_argument("--jobs", type=int, default=1, help="with --dry-run: ranks simulated at once")
     return parser
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import data_setup  # the recipe's own modules beside this script (the script's folder is on sys.path)
+import dry_run
 import preflight
 import torch
 import torch.distributed as dist
@@ -351,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         run = apply_cli(load_config(args.config), args)
         if args.check:  # one process, no process group: every problem listed, or the estimate
             return preflight.check_only(run, args.world or world_size_from_env())
+        if args.dry_run:  # one process per simulated rank, fake tensors: no torchrun
+            return dry_run.run(run, args.world, args.jobs)
         train(run)
     except ValueError as err:  # meshkit's PlanError included: a user error, not a crash
         # One write per rank, so eight ranks' messages do not interleave line by line.

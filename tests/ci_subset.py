@@ -97,6 +97,92 @@ SLOW_CASES: dict[str, str] = {
     "[tp=2,dp_shard=2-spec0]": "the same plan on Gemma-2 (spec7) and, with ep, on Llama-MoE (spec5)",
     "tests/models/test_kv_replication.py::test_kv_heads_fewer_than_tp[tp=4,sequence_parallel=false-model1]":
         "tp=4 (four ranks per K/V head) and tp=2,dp_shard=2 (MQA); TP without SP in test_tp_no_sp",
+    # The HF stack (#30): one exact Trainer run, one SFT and one DPO run, the resume, the README program in CI.
+    "tests/parallel/test_hf_forward.py::test_model_forward_backpropagates_to_the_single_device_gradients"
+    "[tp=2,dp_shard=2-False-False]": "zero=1 x tp x dp_shard (a user loss on the logits) and cp x tp (HF's loss)",
+    "tests/parallel/test_hf_forward.py::test_model_forward_backpropagates_to_the_single_device_gradients"
+    "[cp=2,dp_shard=2,cp_attention=ulysses-False-True]": "cp=2,tp=2 zigzag; Ulysses SFT packing in test_trl (slow)",
+    "tests/parallel/test_hf_forward.py::test_model_forward_backpropagates_to_the_single_device_gradients"
+    "[dp_replicate=2,tp=2-False-True]": "dp_shard=2,tp=2,zero=1 (data ranks, tp)",
+    "tests/parallel/test_hf_forward.py::test_a_graph_on_a_plan_finished_after_backward_needs_the_scope"
+    "[dp_shard=2,zero=1]": "the tp=2 case (the same check)",
+    "tests/integrations/test_trainer.py::test_trainer_matches_hf_trainer_on_the_global_batch[dp_shard=2,zero=2]":
+        "tp=2,dp_shard=2 (FSDP, accumulation); zero stages in tests/data_parallel",
+    "tests/integrations/test_trainer.py::test_trainer_matches_hf_trainer_on_the_global_batch"
+    "[cp=2,dp_shard=2,cp_attention=zigzag]": "test_trl SFT ring packed (cp through the Trainer)",
+    "tests/integrations/test_trainer.py::test_trainer_matches_hf_trainer_on_the_global_batch"
+    "[pp=2,dp_shard=2,pp_microbatches=2]": "tp=2,dp_shard=2 (the same forward_backward step); pp in tests/pipeline",
+    "tests/integrations/test_trainer.py::test_trainer_matches_hf_trainer_on_the_global_batch[dp_shard=2,ep=2]":
+        "tp=2,dp_shard=2 (the same step); ep in tests/expert_parallel",
+    "tests/integrations/test_trainer.py::test_trainer_matches_hf_trainer_on_the_global_batch"
+    "[dp_replicate=2,dp_shard=2]": "tp=2,dp_shard=2 (data ranks, accumulation); model_init: none in CI",
+    "tests/integrations/test_trainer.py::test_trainer_matches_hf_trainer_on_the_global_batch[tp=2]":
+        "tp=2,dp_shard=2; a meta-device model: none in CI",
+    "tests/integrations/test_trainer.py::test_a_loss_of_ones_own_runs_through_the_models_forward"
+    "[cp=2,tp=2,cp_attention=zigzag]": "test_trl's SFT and DPO CI cases (TRL's compute_loss, model's forward)",
+    "tests/integrations/test_trainer.py::test_a_loss_of_ones_own_runs_through_the_models_forward"
+    "[dp_shard=2,zero=1]": "test_trl's CI cases; zero=1 graphs in test_hf_forward",
+    "tests/integrations/test_trainer.py::test_a_loss_of_ones_own_runs_through_the_models_forward[tp=2]":
+        "test_trl's CI cases; tp without FSDP in test_hf_forward's scope test",
+    "tests/integrations/test_trainer.py::test_samplers_epochs_and_uneven_batches_follow_hf_ddp":
+        "tp=2,dp_shard=2 (accelerate's seedable random sampler over the data ranks)",
+    "tests/integrations/test_trainer.py::test_tensorboard_logging_writes_from_rank_0":
+        "the CI Trainer runs log through the same callbacks (TensorBoard is one of HF's)",
+    "tests/integrations/test_trl.py::test_sft_matches_trl_on_the_global_batch[tp=2,dp_shard=2-completion]":
+        "cp=2,dp_shard=2 ring chat packed (the same SFT path)",
+    "tests/integrations/test_trl.py::test_sft_matches_trl_on_the_global_batch[cp=2,tp=2,cp_attention=zigzag-chat]":
+        "cp=2,dp_shard=2 ring chat packed (assistant-only loss)",
+    "tests/integrations/test_trl.py::test_sft_matches_trl_on_the_global_batch"
+    "[cp=2,dp_shard=2,cp_attention=ulysses-completion-packed]": "ring packed (documents under cp)",
+    "tests/integrations/test_trl.py::test_dpo_with_a_reference_model_under_the_same_plan_matches_trl"
+    "[cp=2,dp_shard=2,cp_attention=zigzag]": "tp=2,dp_shard=2 (the same DPO path)",
+    # PEFT LoRA through the HF stack: CI keeps the Trainer under tp x fsdp with accumulation and the DPO refusal.
+    "tests/integrations/test_trainer_lora.py::test_trainer_trains_a_peft_model_as_hf_trainer_does"
+    "[pp=2,dp_shard=2,pp_microbatches=2]": "[tp=2,dp_shard=2] (the same Trainer step); LoRA under pp in test_lora",
+    "tests/integrations/test_trainer_lora.py::test_sft_trains_a_peft_model_as_trl_does[tp=2,dp_shard=2-model]":
+        "test_trl's SFT CI case (TRL's loss on the model's forward) and test_trainer_lora's Trainer CI case",
+    "tests/integrations/test_trainer_lora.py::test_sft_trains_a_peft_model_as_trl_does"
+    "[cp=2,tp=2,cp_attention=zigzag-peft_config-packed]": "test_trl's ring packed SFT CI case; LoRA under cp in test_lora",
+    "tests/integrations/test_trainer_lora.py::test_a_lora_trainer_checkpoint_resumes_under_another_plan":
+        "test_trainer_state's resume (the same Trainer checkpoint path) and test_lora_checkpoint's LoRA resume",
+    "tests/integrations/test_trainer_lora.py::test_dpo_trains_a_peft_model_against_its_disabled_adapter_as_trl_does":
+        "test_trl's DPO CI case (the same DPO path); PEFT's adapter switch is PEFT's own forward",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-allgather]':
+        "CP (zigzag with tp) and the memory property test's CP kinds; the all-gather kind saves through the same hooks",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-keep-kv]':
+        'CP (zigzag): the kept K/V are more saved tensors of the same Function',
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-ring-full]':
+        "PP (full AC: the checkpoint's saved block inputs) and CP (ring attention's saved tensors)",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-ulysses]':
+        "CP and TP (selective AC); Ulysses' all-to-alls save nothing of their own",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[CP-usp]':
+        'CP (zigzag) and PP (full AC)',
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[EP-selective]':
+        "EP (the MoE layer's saved tensors) and TP (selective)",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[HSDP]':
+        "PP (full AC under FSDP): the replicas' all-reduce runs outside the hooks",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[PP-interleaved]':
+        "PP (1f1b): each stage's blocks link their own chain",
+    'tests/data_parallel/test_activation_offload.py::test_activation_offload_is_exact_and_moves_every_saved_byte[bf16]':
+        'TP (fp32); a bf16 storage is copied as bytes like any other',
+    'tests/data_parallel/test_activation_offload.py::test_estimator_counts_the_bytes_activation_offload_moves[selective]':
+        '[none] and [full]: selective moves what full does (the block inputs)',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[ep]':
+        'tp-zero2-window: expert units are FSDP units like any other in the store',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[pp]':
+        'tp-zero2-window and test_checkpoint_saves_nvme_state_and_resumes_under_other_plans',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[bf16]':
+        'tp-zero2-window (fp32): the master shards stay fp32 under bf16 compute',
+    'tests/data_parallel/test_nvme.py::test_nvme_equals_host_offload_and_streams_the_state[fsdp]':
+        'tp-zero2-window and the checkpoint test (dp_shard=2 with nvme)',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[fsdp-tensorwise]':
+        'tp-sp-fsdp (FSDP float8 all-gather with TP) and test_fsdp_all_gathers_tensorwise_weights_in_float8',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[tp-no-sp]':
+        'tp-sp-fsdp (the same float8 styles path with SP)',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[hsdp-zero2-selective]':
+        'tp-sp-fsdp and the random float8 plans (HSDP, zero=2, selective AC drawn there)',
+    'tests/float8/test_float8.py::test_float8_matches_torchao_on_each_data_ranks_rows[tp-activation-offload]':
+        'TP-styles in test_activation_offload (DTensor styles: DTensors copied through their shards) and tp-sp-fsdp',
     "tests/integrations/test_lora.py::test_lora_plans[tp2-no-sp]": "tp2-sp-local (the same local path with SP's collectives) and the property test's tp=2 plans",
     "tests/integrations/test_lora.py::test_lora_plans[hsdp]": "the property test's dp_replicate=2 plans; FSDP over the adapters in tp2-sp-local",
     "tests/integrations/test_lora.py::test_lora_plans[cp2-tp2-ulysses]": "the property test's cp=2 plans (ring, zigzag, ulysses, allgather drawn)",

@@ -5,6 +5,7 @@ these, only this package changes: `mesh` (flattened / split / concatenated Devic
 (FSDP2's per-unit state), `checkpointing` (selective activation checkpointing's modes, recompute
 detection), `collectives` (renamed, functional and point-to-point collectives; the default group's
 store and timeouts), `dcp` (async save, DTensor chunk lists), `dispatch` (dispatch modes, fake tensors,
-storages, private aten ops), `peers` (torch's own implementations the benchmarks measure against).
+storages, private aten ops), `peers` (torch's own implementations the benchmarks measure against),
+`fake` (the fake process group, fake-tensor internals, storage resizes: the dry run's world).
 Nothing is imported here: each user imports the topic it needs.
 """

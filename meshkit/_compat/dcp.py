@@ -6,6 +6,8 @@ Private or version-gated torch APIs (see `meshkit._compat`).
 from __future__ import annotations
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 
 def dtensor_chunks(tensor):
@@ -25,3 +27,15 @@ def dcp_async_save(state, checkpoint_id: str, planner, group):
     """
     result = dcp.async_save(state, checkpoint_id=checkpoint_id, planner=planner, process_group=group)
     return getattr(result, "upload_completion", result)
+
+
+def chunk_at(global_shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sizes, offsets) of the shard a DTensor of `placements` holds at `coordinate` of a mesh of
+    `mesh_shape`: DCP's own computation for the current rank, asked about any rank (a dry run plans
+    every rank's checkpoint items from one rank's placements)."""
+    return _compute_local_shape_and_global_offset(global_shape, tuple(mesh_shape), list(coordinate), placements)
+
+
+def file_storage_info(relative_path: str, offset: int, length: int):
+    """The entry `FileSystemWriter` records in a checkpoint's metadata for one written item."""
+    return _StorageInfo(relative_path=relative_path, offset=offset, length=length)

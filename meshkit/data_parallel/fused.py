@@ -145,6 +145,10 @@ def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: Optimizer
         raise ValueError(f"fuse_optimizer_into_backward: {type(probe).__name__} needs the whole gradient (its step "
                          "re-evaluates the loss through a closure), which a step per parameter inside backward never "
                          "has; fix: use it unfused, or an elementwise optimizer such as SGD or AdamW")
+    if pm.plan.offload == "nvme":
+        raise ValueError("fuse_optimizer_into_backward: Plan(offload='nvme') streams each unit's optimizer state from "
+                         "its file at the step, which a step per parameter inside backward would read once per "
+                         "parameter; fix: use the optimizer unfused, or offload='optimizer'")
     if pm.sums_grads_after_backward:
         raise ValueError("fuse_optimizer_into_backward: this model has gradients meshkit sums after backward (MoE "
                          "weights every TP rank holds, or a tied embedding split by pipelining), so they are not "

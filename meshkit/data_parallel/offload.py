@@ -6,7 +6,8 @@ gradients and (because the optimizer is built on them) the optimizer state live 
 the step runs on the CPU; each unit's shard is copied to the device for its all-gather and each
 reduced gradient shard copied back. What stays on the device is the gathered compute copy: for the
 whole window under ZeRO-1/2 ("optimizer": ZeRO-Offload), only the running unit under ZeRO-3
-("params"; `optimizer` under ZeRO-3 is the same placement).
+("params"; `optimizer` under ZeRO-3 is the same placement). "nvme" places as "optimizer" and moves the
+optimizer state on into files (`data_parallel.nvme`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
     if offload == "none":
         return OffloadPolicy()
     if device.type == "cpu":
+        what = "its host placement saves nothing here (the optimizer state still goes to offload_dir)" \
+            if offload == "nvme" else "offloading saves nothing here (the offload code path still runs)"
         warnings.warn(f"Plan(offload={offload!r}): this run has no accelerator, its parameters already live in "
-                      "host memory, so offloading saves nothing here (the offload code path still runs)",
-                      stacklevel=3)
+                      f"host memory, so {what}", stacklevel=3)
         return CPUOffloadPolicy(pin_memory=False)
     return CPUOffloadPolicy(pin_memory=True)

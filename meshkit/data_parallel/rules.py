@@ -10,11 +10,12 @@ from typing import Any
 
 ZERO_STAGES = (1, 2, 3)
 GRAD_SYNC = ("every_microbatch", "last_microbatch")
-OFFLOAD = ("none", "optimizer", "params")
+OFFLOAD = ("none", "optimizer", "params", "nvme")
 
 
 def memory_problems(plan: Any) -> list[str]:
-    """Option values and contradictions of `zero`, `grad_sync` and `offload` (a Plan's own fields only)."""
+    """Option values and contradictions of `zero`, `grad_sync`, `offload`, `offload_dir` and
+    `activation_offload` (a Plan's own fields only; whether the directory can hold the files is checked by `parallelize`, which knows the shards)."""
     problems = []
     zero = plan.zero
     if not isinstance(zero, int) or isinstance(zero, bool) or zero not in ZERO_STAGES:
@@ -34,4 +35,18 @@ def memory_problems(plan: Any) -> list[str]:
             f"offload='params' with zero={zero}: ZeRO-{zero} keeps the gathered parameters on the device through "
             f"forward and backward, so they cannot live on the host; fix: offload='optimizer' (master weights, "
             f"gradients and optimizer state on the host), or zero=3")
+    elif plan.offload == "nvme" and not (isinstance(plan.offload_dir, str) and plan.offload_dir.strip()):
+        problems.append(
+            f"offload='nvme' with offload_dir={plan.offload_dir!r}: the optimizer state lives in one file per rank "
+            "under offload_dir; fix: offload_dir='/path/on/nvme' (a directory on a fast local disk)")
+    if plan.activation_offload is True and plan.compile is True:
+        problems.append(
+            "activation_offload=True with compile=True: torch.compile (AOTAutograd) traces the saved-tensor hooks "
+            "that copy activations to the host into its graphs, and the compiled blocks then fail inductor's layout "
+            "checks under FSDP; fix: compile=False, or activation_offload=False (activation_checkpointing saves "
+            "memory under compile)")
+    if plan.offload_dir is not None and plan.offload != "nvme":
+        problems.append(
+            f"offload_dir={plan.offload_dir!r} with offload={plan.offload!r}: only offload='nvme' writes files there; "
+            "fix: offload='nvme', or drop offload_dir")
     return problems

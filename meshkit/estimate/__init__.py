@@ -9,7 +9,8 @@ See docs/estimate.md.
 
 from meshkit.estimate.comm import Collective, communication
 from meshkit.estimate.core import Estimate, PipelineTiming, estimate, flop_counter_check, pipeline_timing
-from meshkit.estimate.memory import RankMemory, block_activations, model_state
+from meshkit.estimate.memory import block_activations, model_state
+from meshkit.estimate.peak import RankMemory
 from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, ModelState, Workload, load_config
 
 __all__ = [

@@ -267,14 +267,16 @@ def head_activations(config: Any, *, batch: int, seq: int, tp: int = 1, sequence
 def loss_transient(config: Any, *, batch: int, seq: int, tp: int = 1, loss_parallel: bool = True,
                    dtype: str = "bfloat16") -> int:
     """Extra bytes while the loss's backward starts: the fp32 gradient of the log-softmax output and
-    the fp32 gradient of its input exist together with the saved fp32 log-probabilities.
+    the fp32 gradient of its input exist together with the saved fp32 log-probabilities; the
+    vocab-parallel loss (DTensor's, tp > 1) builds its input gradient from a zeroed buffer and the
+    exponentiated log-probabilities, three fp32 logits-sized buffers at once (measured by the dry run).
 
     The forward transient (activation-dtype logits plus their fp32 copy, freed after log-softmax)
     is smaller whenever the activation dtype is at most 4 bytes, so the backward one is the peak.
     """
     trace = trace_head(config, seq, tp, loss_parallel, dtype)
     elements = trace.logits // DTYPES[dtype].itemsize
-    return batch * 8 * elements
+    return batch * (12 if loss_parallel and tp > 1 else 8) * elements
 
 
 def korthikanti_bytes(config: Any, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,

@@ -15,6 +15,7 @@ from typing import Any
 from meshkit.estimate import moe
 from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
+from meshkit.estimate.zero import gathered_bytes
 from meshkit.mesh import AXES
 from meshkit.models import roles
 from meshkit.pipeline.schedules import pipelines
@@ -63,7 +64,9 @@ def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
     if axis == "ep":  # ep neighbouring ranks of the flattened dp_shard x cp axis
         span = plan.ep * plan.tp
     else:
-        outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate"}.get(axis, axis)
+        peers = "pp" if plan.pp > 1 else ("cp" if plan.cp > 1 else "tp")  # pp_cp_tp: its outermost axis above 1
+        outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate",
+                 "pp_cp_tp": peers}.get(axis, axis)
         span = math.prod(getattr(plan, a) for a in AXES[AXES.index(outer):])
     if span <= device.gpus_per_node:
         return "nvlink", device.nvlink_bw
@@ -82,16 +85,11 @@ class FsdpUnit:
     axis: str       # the mesh axis of that group: "dp_shard_cp", or "ep_fsdp" for experts
     regather: bool  # freed after forward and gathered again for backward (ZeRO-3 resharding)
     grad_elements: int = -1  # of `elements`, those with gradients (frozen LoRA bases have none); -1: all
-    kept: int = 0   # of `count`, the units never freed after forward (each stage's last block)
+    float8: int = 0  # of `elements`, the projection weights gathered in float8 (float8="tensorwise")
 
     def __post_init__(self) -> None:
         if self.grad_elements < 0:
             object.__setattr__(self, "grad_elements", self.elements)
-
-    @property
-    def regathered(self) -> int:
-        """Units of this kind gathered a second time, for backward, per forward_backward call."""
-        return self.count - self.kept if self.regather else 0
 
 
 def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
@@ -100,32 +98,38 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     A tied weight lives in FSDP's root unit with the final norm (FSDP2 never reshards the root), so
     without pipelining it counts as part of the head unit. The embedding unit is gathered first and
     never again (its backward reads only the token ids); the head unit is the last and is never
-    resharded after forward, nor is each stage's last block (`data_parallel.fsdp`: backward needs it
-    next), counted against the kind of the model's last block. Under a V the first and last stage
+    resharded after forward (the tied root is), nor is each stage's last block (`data_parallel.fsdp`:
+    backward needs it next), counted against the kind of the model's last block. Under a V the first and last stage
     share pp rank 0: a tied embedding is two units there (the embedding, and the head's copy, which
     its backward does read).
     """
     units, grads = state.unit_elements, state.grad_unit_elements
     fsdp, reshard = plan.dp_shard * plan.cp, plan.fsdp_reshard
     tied = getattr(config, "tie_word_embeddings", False)
-    if units["embed"] and tied and plan.pp == 1:
+    root = units["embed"] and tied and plan.pp == 1  # the tied weight lives in the stage's root unit
+    if root:
         units = {**units, "embed": 0, "head": units["embed"] + units["head"]}
         grads = {**grads, "embed": 0, "head": grads["embed"] + grads["head"]}
     ends = stage_ranks(plan)
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
-    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block").
-    mixed = len(set(moe.block_kinds(config))) > 1
-    last_kind = moe.block_kinds(config)[-1] if state.block_units else None
+    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block"). Each
+    # stage's last block is never resharded after forward (`data_parallel.fsdp`: backward needs it
+    # next, after [norm, lm_head] or the tied root, which is resharded, found by the dry run).
+    mixed, last_kind = len(set(moe.block_kinds(config))) > 1, moe.block_kinds(config)[-1]
     stages = plan.pp_stages_per_rank if plan.pp > 1 else 1
-    blocks = [FsdpUnit(_BLOCK_NAMES[b.kind] if mixed else "block", b.count, b.block, fsdp, "dp_shard_cp", reshard,
-                       b.block_grad, kept=min(stages, b.count) if b.kind == last_kind else 0)
-              for b in state.block_units]
+    blocks = []
+    for b in state.block_units:
+        kept = min(stages, b.count) if reshard and b.kind == last_kind else 0
+        name = _BLOCK_NAMES[b.kind] if mixed else "block"
+        blocks += [FsdpUnit(name, n, b.block, fsdp, "dp_shard_cp", again, b.block_grad, b.float8)
+                   for n, again in ((b.count - kept, reshard), (kept, False)) if n]
     out = [*blocks, FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", False,
                              grads["embed"])]
     if copies == 2:
         out.append(FsdpUnit("embed", int(bool(units["embed"])), units["embed"], fsdp, "dp_shard_cp", reshard,
                             grads["embed"]))
-    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp", False, grads["head"]))
+    out.append(FsdpUnit("head", int(bool(units["head"])), units["head"], fsdp, "dp_shard_cp",
+                        bool(root) and reshard, grads["head"]))
     out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard, b.expert_grad)
             for b in state.block_units if b.kind == "moe"]
     return [u for u in out if u.count]
@@ -139,7 +143,7 @@ def _is_block(unit_name: str) -> bool:
 
 
 def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
-                  t_block_fwd: float, t_block_rec: float) -> list[Collective]:
+                  t_block_fwd: float, t_block_rec: float, *, pp_rank: int | None = None) -> list[Collective]:
     """Every collective the rank holding `state` issues per step, with the time overlap cannot hide.
 
     TP/SP and Ulysses collectives sit between matmuls (nothing to hide behind in meshkit), so all
@@ -149,7 +153,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     causal diagonals are. Recompute re-issues what it re-runs: the SP
     all-gathers under selective AC (their outputs are not saved), plus the attention-side
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
-    before the MLP's reduce-scatter).
+    before the MLP's reduce-scatter). Pipeline messages are the busiest pipeline rank's, or `pp_rank`'s.
     """
     plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     heads, kv, d = roles.kernel_dims(config)  # what CP moves (MLA: padded to one head dim)
@@ -195,10 +199,12 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("tp", "reduce_scatter", f"SP: {what[1]} (fwd), AG {what[2]} (bwd), recompute",
                 m * (dense_blocks * (4 + rec_rs) + moe_blocks * (2 + moe_rec_rs) + edges - free), bsh, t, None)
         if plan.sequence_parallel:
-            # replicated norm weights see a sequence shard: their gradients are reduced once per call
-            # (a LoRA model's norms are frozen: none)
+            # replicated norm weights see a sequence shard: their gradients are reduced in the compute
+            # dtype, by FSDP2 as it accumulates each microbatch's unsharded gradient, or by meshkit once per
+            # call without FSDP (found by the dry run: under bf16 and pp they were counted fp32, per call);
+            # a LoRA model's norms are frozen: none
             add("tp", "all_reduce", "SP norm-weight gradients", 0 if state.frozen_norms else
-                workload.calls(plan) * (2 * blocks + int(last_stage)), h * 4, t, None)
+                (m if fsdp_applied else workload.calls(plan)) * (2 * blocks + int(last_stage)), h * act, t, None)
         else:
             # Backward all-reduces the summed input gradient of q/k/v once and of gate/up once (they
             # share one Replicate DTensor input); recompute re-runs o's all-reduce.
@@ -234,11 +240,12 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
         red = dtype_bytes(plan.reduce_dtype)
         hides = {"embed": None, "head": t_block_fwd}
         for u in dense if fsdp > 1 else []:
+            gathered = gathered_bytes(plan, u.elements, u.float8)  # float8 projection weights in one byte each
             add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters (fwd)", gathers * u.count,
-                u.elements * act, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
-            if u.regathered:
-                add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.regathered,
-                    u.elements * act, fsdp, t_bwd / 2)
+                gathered, fsdp, t_block_fwd if _is_block(u.name) else hides[u.name])
+            if u.regather:
+                add("dp_shard_cp", "all_gather", f"FSDP: {u.name} parameters again (bwd)", gathers * u.count,
+                    gathered, fsdp, t_bwd / 2)
             add("dp_shard_cp", "reduce_scatter", f"FSDP: {u.name} gradients ({plan.reduce_dtype})", syncs * u.count,
                 u.grad_elements * red, fsdp, t_bwd / 2 if _is_block(u.name) else None)
         if rep > 1:  # one all-reduce of each unit's gradient shard across the replicas
@@ -307,14 +314,20 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("dp_cp_tp", "all_reduce", "MoE: router load counts for the balancing loss", m * moe_blocks,
                 (experts.num_experts + 1) * 4, plan.dp * plan.cp * plan.tp, None)
 
+    if plan.pp * plan.cp * plan.tp > 1:  # step/batch's input checks: peers sharing a batch compare it
+        add("pp_cp_tp", "all_reduce", "input checks: the batch's signature (6 int64)", workload.calls(plan), 48,
+            plan.pp * plan.cp * plan.tp, None)
+
     if plan.pp > 1:
         # Messages the busiest rank sends: each of its stages sends its output forward (but the last
         # stage) and its input gradient backward (but the first stage), once per microbatch.
-        # Under DualPipe each of a rank's two stages carries one direction's half of the microbatches.
+        # Under DualPipe each of a rank's two stages carries one direction's half of the microbatches; a
+        # boundary between two stages of one rank (the V's turn) sends nothing.
         owner, chains = stage_ranks(plan), pipelines(plan.pp_schedule)
         stages, per_chain = len(owner), len(owner) // chains
         sends = max(sum((s % per_chain < per_chain - 1 and owner[s + 1] != r) + (s % per_chain > 0 and owner[s - 1] != r)
-                        for s in range(stages) if owner[s] == r) for r in range(plan.pp))
+                        for s in range(stages) if owner[s] == r)
+                    for r in (range(plan.pp) if pp_rank is None else [pp_rank]))
         boundary = mbs * seq * h * act // (plan.tp if plan.sequence_parallel and plan.tp > 1 else 1)
         add("pp", "p2p", "activations (fwd) and their gradients (bwd) between stages", sends * m // chains, boundary,
             2, 0.0)

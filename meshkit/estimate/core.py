@@ -33,8 +33,9 @@ from meshkit import metrics
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.comm import Collective, communication
-from meshkit.estimate.memory import RankMemory, model_state, rank_memory, stage_ranks
-from meshkit.estimate.offload import OffloadCost, offload_cost
+from meshkit.estimate.memory import float8_params_per_layer, model_state, stage_ranks
+from meshkit.estimate.offload import ActivationOffloadCost, OffloadCost, activation_offload_cost, offload_cost
+from meshkit.estimate.peak import RankMemory, rank_memory
 from meshkit.estimate.spec import DEVICES, Device, Workload, config_key
 from meshkit.expert_parallel import expert_split_problem
 from meshkit.models import llama, roles
@@ -146,6 +147,13 @@ class Estimate:
     sim: PipelineTiming | None
     times: dict[str, float]
     offload: OffloadCost | None = None  # host memory, host-link bytes and CPU step of the slowest rank
+    activation_offload: ActivationOffloadCost | None = None  # the worst rank's host bytes and copies
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory one GPU's rank needs for what the plan offloads (model state and activations)."""
+        return (self.offload.host_bytes if self.offload else 0) + \
+            (self.activation_offload.host_bytes if self.activation_offload else 0)
 
     @property
     def peak_bytes(self) -> int:
@@ -207,6 +215,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
         raise ValueError(expert_split_problem(plan.ep, spec.num_experts))
     flops = metrics.flops_per_token(config, workload.seq, plan.activation_checkpointing)
     share = workload.mbs * workload.seq / (plan.tp * plan.cp) / (device.peak_flops * workload.mfu)
+    share *= float8_time_factor(config, plan, device, flops)
     heads, d_qk, d_v = roles.score_value_dims(config)
     # One block's forward, averaged over the stack (dense and MoE blocks differ): what a per-block
     # transfer (FSDP's gather of the next block) can hide behind.
@@ -246,11 +255,22 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     if plan.offload != "none":  # every pp rank steps its own shards on the CPU: the slowest sets the pace
         off = max((offload_cost(config, plan, workload, r.state, device) for r in ranks),
                   key=lambda c: (c.exposed, c.host_bytes))
-    host = off.exposed if off is not None else 0.0
+    worst = max(ranks, key=lambda r: r.peak)
+    moved = activation_offload_cost(plan, workload, max(ranks, key=lambda r: r.activation_host), device, compute)
+    host = (off.exposed if off is not None else 0.0) + (moved.exposed if moved is not None else 0.0)
     times = {"compute": compute, "bubble": bubble, "exposed_comm": exposed, "offload": host,
              "step": compute + exposed + host}
-    return Estimate(config, plan, workload, device, max(ranks, key=lambda r: r.peak), flops, comm, sim, times,
-                    off)
+    return Estimate(config, plan, workload, device, worst, flops, comm, sim, times, off, moved)
+
+
+def float8_time_factor(config: Any, plan: Plan, device: Device, flops: metrics.FlopsPerToken) -> float:
+    """What float8 multiplies compute time by: the converted projections' share of the model FLOPs runs
+    at the device's float8 peak instead of bf16's (1 without float8, or on a device without float8)."""
+    if plan.float8 == "none" or not device.float8_flops:
+        return 1.0
+    linear = 6.0 * float8_params_per_layer(config) * config.num_hidden_layers
+    share = min(linear / flops.model, 1.0)
+    return 1.0 - share + share * device.peak_flops / device.float8_flops
 
 
 def flop_counter_check(config: Any, seq: int) -> tuple[float, float]:

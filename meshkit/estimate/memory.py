@@ -1,4 +1,4 @@
-"""Memory of one rank at its peak: model state from the real parameter shapes, activations, buffers.
+"""What one rank holds: model state from the real parameter shapes, and activations per block.
 
 Model state follows what FSDP2 keeps: the *sharded* fp32 parameters (they are the master weights),
 sharded fp32 gradients (meshkit reduces in fp32) and AdamW's two fp32 moments, 16 bytes per parameter
@@ -8,7 +8,7 @@ DDP/ZeRO-1/2/3 figures are kept beside it for comparison.
 
 Activations are composed here, dense and MoE in one place: the traced part of a block
 (`activations`) plus, for MoE blocks, the measured MoE layer (`moe`), scaled by the in-flight
-microbatches the pipeline simulator reports.
+microbatches the pipeline simulator reports. `peak` composes them into the rank's peak.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,12 +28,9 @@ from meshkit.estimate.spec import (
     BlockUnits,
     ModelState,
     ParamSpec,
-    Workload,
     config_from_key,
     config_key,
-    dtype_bytes,
 )
-from meshkit.estimate.zero import zero_memory
 from meshkit.integrations.peft import model as peft_model
 from meshkit.integrations.peft.layers import owner_and_part
 from meshkit.models import llama, roles
@@ -151,7 +147,7 @@ def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], in
         in_moe = block_roles.get("mlp") == "moe" and owner.startswith("mlp")
         in_attention = adapter != "" and block_roles.get(owner.rsplit(".", 1)[0]) == "attention"
         specs.append(ParamSpec(tuple(p.shape), tp_dim, "expert" if owner == "mlp.experts" else "block", in_moe,
-                               kind, role, p.requires_grad, adapter, in_attention))
+                               kind, role, owner, p.requires_grad, adapter, in_attention))
     specs.append(ParamSpec(tuple(parts.norm.weight.shape), None, "head", trainable=parts.norm.weight.requires_grad))
     if not parts.tied:
         specs.append(ParamSpec(tuple(parts.lm_head.weight.shape), 0, "head",
@@ -203,6 +199,22 @@ def local_numel(spec: ParamSpec, tp: int, tp_rank: int, fsdp: int, fsdp_rank: in
     dim = fsdp_dim(spec, tp, tp_rank, fsdp)
     shape[dim] = _chunk(shape[dim], fsdp, fsdp_rank)
     return math.prod(shape)
+def _float8_converted(spec: ParamSpec, tp: int) -> bool:
+    """Whether `Plan.float8` converts the linear this weight belongs to (`float8.convert.float8_linears`):
+    a colwise or rowwise projection of a block, outside the MoE layer, split plainly under TP."""
+    return (spec.unit == "block" and len(spec.shape) == 2 and spec.role in ("colwise", "kv_colwise", "rowwise")
+            and not spec.tp_summed and (tp == 1 or spec.tp_dim is not None))
+
+
+def float8_params_per_layer(config: Any) -> float:
+    """Parameters of the projections float8 converts, per decoder block, averaged over the stack."""
+    specs, layers, _ = param_specs(config)
+    kinds = moe.block_kinds(config)
+    per_kind = {k: sum(math.prod(s.shape) for s in specs if s.kind == k and _float8_converted(s, 1))
+                for k in set(kinds)}
+    return sum(per_kind[k] for k in kinds) / layers
+
+
 def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, fsdp_rank: int = 0,
                 param_bytes: int = 4) -> ModelState:
     """Exact for the visible local shards (`p.to_local()`), which tests check on a CPU mesh; FSDP2
@@ -221,7 +233,7 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
     trained = trained_tensors = trained_held = 0  # what has gradients and optimizer state (a LoRA model: adapters)
     adapter_tensors = adapter_elements = 0  # replicated adapter halves under tp: Partial gradients, summed over tp
     units, grad_units = {"embed": 0, "head": 0}, {"embed": 0, "head": 0}
-    kind_units = {k: {"block": 0, "expert": 0, "block_grad": 0, "expert_grad": 0} for k in moe.KINDS}
+    kind_units = {k: {"block": 0, "expert": 0, "block_grad": 0, "expert_grad": 0, "float8": 0} for k in moe.KINDS}
     zero = {"DDP": 0.0, "ZeRO-1": 0.0, "ZeRO-2": 0.0, "ZeRO-3": 0.0}
     for spec in specs:
         block_part = spec.unit in ("block", "expert")
@@ -264,11 +276,14 @@ def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, 
         if block_part:
             kind_units[spec.kind][spec.unit] += padded
             kind_units[spec.kind][f"{spec.unit}_grad"] += padded if spec.trainable else 0
+            if _float8_converted(spec, plan.tp):
+                kind_units[spec.kind]["float8"] += padded
         else:
             units[spec.unit] += padded
             grad_units[spec.unit] += padded if spec.trainable else 0
     block_units = tuple(BlockUnits(k, kind_count[k], kind_units[k]["block"], kind_units[k]["expert"],
-                                   kind_units[k]["block_grad"], kind_units[k]["expert_grad"])
+                                   kind_units[k]["block_grad"], kind_units[k]["expert_grad"],
+                                   kind_units[k]["float8"])
                         for k in moe.KINDS if kind_count[k])
     units["block"] = max((u.block for u in block_units), default=0)
     units["expert"] = max((u.expert for u in block_units), default=0)
@@ -329,106 +344,3 @@ def recompute_working_set(config: Any, *, batch: int, seq: int, tp: int = 1, seq
     everything = sum(block_activations(config, ac="none", **kw).values())
     largest = batch * acts.trace_block(config, seq, tp, dtype).largest
     return max(everything - kept, 0) + 2 * largest
-
-
-# ------------------------------------------------------------------------------- one rank's peak
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """The memory of one pipeline rank at its peak (end of its last held forward)."""
-
-    pp_rank: int
-    state: ModelState
-    per_kind: dict[str, dict[str, int]]  # one block of each kind the rank holds, one microbatch, by part
-    held: dict[str, int]       # block-microbatches of each kind alive at the peak
-    in_flight: int             # (stage, microbatch) pairs alive at the peak
-    shared: int                # rotary cos/sin per in-flight pair
-    head: dict[str, int]       # final norm, LM head and loss (last stage only)
-    transient: int             # max(loss backward buffers, one block's recompute + gradients)
-    fsdp_buffers: int          # gathered units and gradient buffers in flight, full gradients kept (ZeRO-1, accumulation)
-    offloaded: int = 0         # model state that Plan.offload keeps in host memory
-
-    @property
-    def held_blocks(self) -> int:
-        """Block-microbatches alive at the peak, every kind."""
-        return sum(self.held.values())
-
-    @property
-    def per_block(self) -> dict[str, int]:
-        """One block, one microbatch, by part: the kind held most (the only kind of a uniform stack)."""
-        if not self.per_kind:
-            return {}
-        return self.per_kind[max(self.per_kind, key=lambda k: (self.held.get(k, 0), k))]
-
-    @property
-    def activations(self) -> int:
-        """Activation bytes held at the peak (all in-flight microbatches)."""
-        blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
-        return blocks + self.in_flight * self.shared + sum(self.head.values())
-
-    @property
-    def peak(self) -> int:
-        """Peak device bytes: persistent state (less what is offloaded), activations and transient buffers."""
-        return self.state.persistent - self.offloaded + self.activations + self.transient + self.fsdp_buffers
-
-
-def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
-    """What the all-gather CP kind holds per block beyond the ring: the other ranks' K/V, gathered in
-    forward and kept for backward ((ring - 1) local [K; V] shards, K/V heads as Ulysses replicates them)."""
-    _, kv, d = roles.kernel_dims(config)
-    uly = plan.ulysses_degree
-    kv_tp = kv // plan.tp
-    rep = uly // math.gcd(kv_tp, uly) if kv_tp % uly else 1
-    kv_local = workload.mbs * (workload.seq // plan.cp) * kv_tp * rep * d
-    return (plan.cp // uly - 1) * 2 * kv_local * dtype_bytes(plan.param_dtype)
-
-
-def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1) -> RankMemory:
-    """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
-    at once (the pipeline simulator's peak for that rank; 1 without pipelining)."""
-    plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
-    state = model_state(config, plan, pp_rank=pp_rank)
-    seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
-    kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
-    last = pp_rank in edge_ranks(plan)[1]
-    head = acts.head_activations(config, sequence_parallel=sp, loss_parallel=plan.loss_parallel, **kw) if last else {}
-    stages = stage_kinds(config, plan)[pp_rank]
-    on_rank = sorted({k for stage in stages for k in stage})
-    per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, kind=k, **kw),
-                                config, plan, workload) for k in on_rank}
-    transient = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, kind=k, **kw)
-                     for k in on_rank), default=0)
-    if last:
-        transient = max(transient, acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw))
-    fsdp_buffers = 0
-    if plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32":
-        act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
-        unit = max(state.unit_elements.values())
-        reshard = plan.fsdp_reshard
-        gathered = 2 * unit if reshard else \
-            sum(state.unit_elements[k] for k in ("embed", "head")) + state.block_elements
-        fsdp_buffers = gathered * act + unit * (act + red)  # + one unit's unsharded grads and reduce buffer
-    memory_options = zero_memory(plan, state, config)
-    fsdp_buffers += max(memory_options.full_grads, memory_options.window_grads)  # ZeRO-1 / accumulation
-    # In-flight pairs may be of any of the rank's stages: the one holding the most bytes sets the peak.
-    heaviest = max(stages, key=lambda st: sum(n * sum(per_kind[k].values()) for k, n in st.items()))
-    held = {k: in_flight * n for k, n in heaviest.items()}
-    return RankMemory(pp_rank, state, per_kind, held, in_flight, acts.shared_activations(config, **kw), head,
-                      transient, fsdp_buffers, memory_options.host)
-
-
-def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:
-    """One block's bytes with what the plan's CP kind keeps beyond the traced SDPA call."""
-    kind = getattr(plan, "cp_attention", "zigzag")
-    ac = plan.activation_checkpointing
-    if ac == "selective" and plan.cp > 1 and kind in ("ring", "zigzag", "usp"):
-        # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
-        per_block["attention"] = per_block.get("attention", 0) * plan.cp
-    elif ac == "selective" and plan.cp > 1 and kind == "allgather":
-        # two kernel calls per local query chunk (key prefix, causal diagonal), each output kept
-        per_block["attention"] = per_block.get("attention", 0) * 2
-    if ac == "none" and plan.cp > 1 and (kind == "allgather" or getattr(plan, "cp_keep_kv", False)):
-        # the other ranks' K/V held from forward to backward (the ring with cp_keep_kv keeps what it received)
-        per_block["attention"] = per_block.get("attention", 0) + allgather_kv_bytes(config, plan, workload)
-    return per_block

@@ -17,6 +17,15 @@ The estimate counts all of it as exposed: the CPU step runs while the device wai
 forward's parameters, and FSDP2 issues each H2D copy in the all-gather's stream right before the
 gather it feeds, so it adds to the gather's time instead of hiding behind compute (a D2H copy may
 overlap the next unit's backward; counting it exposed keeps the figure an upper bound).
+
+`offload="nvme"` adds the disk (`meshkit.data_parallel.nvme`): the optimizer state is read before each
+unit's CPU step and written after it, `Device.nvme_bw` each way. Reads of the next unit overlap the
+current unit's step, writes do not: exposed = max(CPU step, reads) + writes. Host memory keeps two
+units' state instead of all of it (`zero.ZeroMemory.disk`).
+
+Activation offload (`Plan.activation_offload`, `activation_offload_cost`) copies what each block saves
+to the host in forward and back in backward on a side stream: its bytes cross the host link twice and
+only what the link cannot move while forward (one way) and backward (the other) compute is exposed.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from typing import Any
 
 from meshkit.estimate.comm import fsdp_units
 from meshkit.estimate.spec import Device, ModelState, Workload
-from meshkit.estimate.zero import zero_memory
+from meshkit.estimate.zero import ADAM_STATE_BYTES, zero_memory
 from meshkit.plan import Plan
 
 MASTER_BYTES = 4          # FSDP2 keeps (and offloads) the sharded parameters and gradients in fp32
@@ -43,11 +52,14 @@ class OffloadCost:
     host_step_bytes: float  # host-memory traffic of the CPU optimizer step
     transfer_time: float    # seconds the copies take over the host link
     step_time: float        # seconds of the CPU optimizer step
+    disk_state_bytes: int = 0   # offload="nvme": the optimizer state in this rank's file
+    disk_bytes: float = 0.0     # offload="nvme": bytes read and written per step
+    disk_time: float = 0.0      # offload="nvme": seconds of file IO the CPU step does not hide
 
     @property
     def exposed(self) -> float:
         """Seconds the step gets longer by (everything: see the module docstring)."""
-        return self.transfer_time + self.step_time
+        return self.transfer_time + self.step_time + self.disk_time
 
 
 def offload_cost(config: Any, plan: Plan, workload: Workload, state: ModelState, device: Device) -> OffloadCost | None:
@@ -57,11 +69,40 @@ def offload_cost(config: Any, plan: Plan, workload: Workload, state: ModelState,
     calls = workload.calls(plan)
     gathers = calls if plan.zero == 3 else 1  # ZeRO-1/2 keep the gathered units through the window
     syncs = calls if plan.grad_sync == "every_microbatch" else 1
-    h2d = sum((u.count + u.regathered) * gathers * (u.elements // u.group) * MASTER_BYTES
+    h2d = sum(u.count * gathers * (1 + u.regather) * (u.elements // u.group) * MASTER_BYTES
               for u in fsdp_units(config, plan, state))
     d2h = syncs * state.params * MASTER_BYTES
     host_step = ADAMW_HOST_BYTES * state.params
+    step_time = host_step / device.host_memory_bw
+    memory = zero_memory(plan, state)
+    disk = read = 0.0
+    if plan.offload == "nvme":  # the whole state read (after the first step) and written back, per step
+        read = ADAM_STATE_BYTES * state.params / device.nvme_bw
+        disk = max(0.0, read - step_time) + read
     # H2D copies run in forward (and backward's re-gathers), D2H copies after each reduction: counted
     # one after the other, not as the link's two directions in parallel.
-    return OffloadCost(zero_memory(plan, state).host, h2d, d2h, host_step, (h2d + d2h) / device.host_bw,
-                       host_step / device.host_memory_bw)
+    in_file = ADAM_STATE_BYTES * state.params if plan.offload == "nvme" else 0  # the moments; step counters stay
+    return OffloadCost(memory.host, h2d, d2h, host_step, (h2d + d2h) / device.host_bw, step_time,
+                       in_file, 2.0 * in_file, disk)
+
+
+@dataclass(frozen=True)
+class ActivationOffloadCost:
+    """What activation offload costs one rank per step."""
+
+    host_bytes: int     # saved activations held in host memory at the peak
+    link_bytes: float   # bytes over the host link per step, both directions
+    exposed: float      # seconds the copies add beyond the compute they overlap
+
+
+def activation_offload_cost(plan: Plan, workload: Workload, memory: Any, device: Device,
+                            compute_time: float) -> ActivationOffloadCost | None:
+    """Activation offload's figures for the rank `memory` (a `memory.RankMemory`) describes, or None."""
+    if not plan.activation_offload:
+        return None
+    per_microbatch = sum(u.count * memory.moved.get(u.kind, 0) for u in memory.state.block_units)
+    one_way = workload.microbatches * per_microbatch
+    # forward is a third of the compute, backward (with its recompute) the rest
+    exposed = max(0.0, one_way / device.host_bw - compute_time / 3) + \
+        max(0.0, one_way / device.host_bw - 2 * compute_time / 3)
+    return ActivationOffloadCost(memory.activation_host, 2.0 * one_way, exposed)

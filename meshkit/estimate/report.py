@@ -8,11 +8,12 @@ import dataclasses
 from typing import Any
 
 from meshkit import metrics
+from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate import activations as acts
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, flop_counter_check
 from meshkit.estimate.memory import model_state
-from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, load_config
+from meshkit.estimate.spec import DEVICES, MODEL_PRESETS, Device, GiB, Workload, load_config
 from meshkit.integrations.peft.model import lora_of, with_lora
 from meshkit.models import roles
 from meshkit.plan import Plan
@@ -53,7 +54,8 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     s = mem.state
     L.append(f"\nmemory per rank (pp rank {mem.pp_rank}, the peak one){'':14}GiB")
     L.append(f"  parameters (fp32 shards = master weights){'':5}{_gib(s.param_bytes)}   {s.params:,} elements")
-    L.append(f"  gradients (fp32 shards){'':23}{_gib(s.grad_bytes)}")
+    L.append(f"  gradients (fp32 shards){'':23}{_gib(s.grad_bytes)}   "
+             f"{_bytes(mem.grads_held if mem.moment != 'optimizer' else s.grad_bytes)} of them alive at the peak")
     L.append(f"  optimizer (AdamW exp_avg + exp_avg_sq){'':8}{_gib(s.optimizer_bytes)}")
     L.append(f"  activations held{'':30}{_gib(mem.activations)}   {mem.in_flight} microbatch(es) x "
              f"{mem.held_blocks // max(mem.in_flight, 1)} blocks in flight")
@@ -65,10 +67,13 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"    rotary cos/sin{'':14}{_bytes(mem.shared):>12}   x{mem.in_flight}")
     for part, n in mem.head.items():
         L.append(f"    {part:<26}{_bytes(n):>12}")
+    moment = {"loss": "as the loss's backward starts", "block": "in a block's backward",
+              "optimizer": "in the optimizer's step"}[mem.moment]
     L.append(f"  transient (loss backward / block recompute){'':3}{_gib(mem.transient)}")
     L.append(f"  FSDP buffers (gathered units, grad buffers){'':3}{_gib(mem.fsdp_buffers)}")
     fits = "fits" if mem.peak <= e.device.memory_bytes else "DOES NOT FIT"
-    L.append(f"  peak{'':42}{_gib(mem.peak)}   of {e.device.memory_bytes / GiB:.1f} GiB: {fits}")
+    L.append(f"  peak{'':42}{_gib(mem.peak)}   of {e.device.memory_bytes / GiB:.1f} GiB: {fits} ({moment}"
+             + (f", head buffers freed: {_bytes(mem.head_freed)}" if mem.head_freed else "") + ")")
     seq, tok = w.seq // p.cp, w.mbs * (w.seq // p.cp)
     measured = sum(mem.per_block.values())
     kort = acts.korthikanti_bytes(c, batch=w.mbs, seq=seq, tp=p.tp, sequence_parallel=p.sequence_parallel,
@@ -110,8 +115,22 @@ def render(e: Estimate, check_flops: bool = True) -> str:
                  f"{_bytes(off.d2h_bytes)} (a gradient shard per reduction): {off.transfer_time * 1e3:.1f} ms")
         L.append(f"  optimizer step on the CPU: {_bytes(off.host_step_bytes)} through host memory, "
                  f"{off.step_time * 1e3:.1f} ms (all counted exposed)")
+        if p.offload == "nvme":
+            L.append(f"  NVMe (offload_dir, {e.device.nvme_bw / 1e9:.1f} GB/s per GPU each way): the optimizer state, "
+                     f"{_bytes(off.disk_state_bytes)} per rank, read and written each step ({_bytes(off.disk_bytes)}); "
+                     f"{off.disk_time * 1e3:.1f} ms beyond the CPU step (reads overlap it, writes do not)")
+    moved = e.activation_offload
+    if moved is not None:
+        L.append(f"\nactivation offload, per step, per rank: {_bytes(moved.host_bytes)} of saved activations in host "
+                 f"memory at the peak, {_bytes(moved.link_bytes)} over the host link (out in forward, back in "
+                 f"backward, on a side stream), {moved.exposed * 1e3:.1f} ms the compute does not hide")
+    if p.float8 != "none":
+        rate = f"{e.device.float8_flops / 1e12:.0f}" if e.device.float8_flops else "no float8 peak known:"
+        L.append(f"\nfloat8 ({p.float8}): the blocks' projections at {rate} TFLOP/s; "
+                 f"{s.float8_elements:,} elements of their gathered weights per rank "
+                 f"({'FSDP all-gathers them in 1 byte each' if p.float8 == 'tensorwise' else 'gathered in ' + p.param_dtype})")
     tm = e.times
-    host = f" + offload {tm['offload'] * 1e3:.0f} ms" if off is not None else ""
+    host = f" + offload {tm['offload'] * 1e3:.0f} ms" if off is not None or moved is not None else ""
     L.append(f"\nstep time at {w.mfu:.0%} of {e.device.peak_flops / 1e12:.0f} TFLOP/s: compute "
              f"{tm['compute'] * 1e3:.0f} ms (pipeline bubble {tm['bubble']:.1%}) + exposed communication "
              f"{tm['exposed_comm'] * 1e3:.0f} ms{host} = {tm['step'] * 1e3:.0f} ms -> MFU {e.mfu:.1%}, "
@@ -143,11 +162,44 @@ def build_parser(description: str = "", prog: str | None = None) -> argparse.Arg
     parser.add_argument("--memory-gib", type=float, help="usable device memory")
     parser.add_argument("--host-gbps", type=float, help="host <-> device GB/s per GPU per direction (offload)")
     parser.add_argument("--host-memory-gib", type=float, help="host memory per GPU (offload)")
+    parser.add_argument("--nvme-gbps", type=float, help="NVMe GB/s per GPU per direction (offload=nvme)")
+    parser.add_argument("--float8-tflops", type=float, help="override the device's dense float8 peak")
     parser.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak for compute")
     parser.add_argument("--lora-r", type=int, help="train a LoRA adapter of this rank, the base frozen (PEFT)")
     parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                         help="comma-separated target_modules of the LoRA adapter (with --lora-r)")
     return parser
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which plan and step one rank runs (`python -m meshkit.estimate` and
+    `python -m meshkit.dryrun`): the plan string or its per-field flags, microbatch size and count."""
+    parser.add_argument("--plan", default="", help='e.g. "tp=8,dp_shard=-1" (meshkit.Plan.from_string)')
+    parser.add_argument("--mbs", type=int, default=1, help="sequences per microbatch per data-parallel rank")
+    parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (overrides the plan)")
+    parser.add_argument("--microbatches", type=int,
+                        help="per step per data rank (default: the plan's pp_microbatches, or 1 without pipeline)")
+    parser.add_argument("--global-batch-tokens", help="e.g. 1M; sets microbatches = tokens / (dp*mbs*seq)")
+    Plan.add_cli_args(parser)
+
+
+def plan_and_workload(args: argparse.Namespace) -> tuple[Plan, Workload]:
+    """The resolved plan and the step's workload the flags of `add_plan_args` describe. Unless the plan
+    sets `param_dtype`, the recipes' mixed precision (bf16 compute); under pp without
+    `pp_microbatches`, one pipeline call per step."""
+    plan = Plan.from_cli_args(args, Plan.from_string(args.plan))
+    given = args.plan.replace(" ", "")
+    if "param_dtype=" not in given and getattr(args, "plan_param_dtype", None) is None:
+        plan = dataclasses.replace(plan, param_dtype="bfloat16")
+    if args.ac:
+        plan = dataclasses.replace(plan, activation_checkpointing=args.ac)
+    plan = plan.resolve(args.world)
+    m = args.microbatches or plan.microbatches
+    if args.global_batch_tokens:
+        m = max(1, round(parse_tokens(args.global_batch_tokens) / (plan.dp * args.mbs * args.seq)))
+    if plan.pp > 1 and plan.pp_microbatches is None:
+        plan = dataclasses.replace(plan, pp_microbatches=m)
+    return plan, Workload(args.seq, args.mbs, m, args.mfu)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -167,5 +219,7 @@ def device_from_args(args: argparse.Namespace) -> Device:
                                  ("gpus_per_node", args.gpus_per_node),
                                  ("memory_bytes", args.memory_gib and args.memory_gib * GiB),
                                  ("host_bw", args.host_gbps and args.host_gbps * 1e9),
-                                 ("host_memory_bytes", args.host_memory_gib and args.host_memory_gib * GiB)) if v}
+                                 ("host_memory_bytes", args.host_memory_gib and args.host_memory_gib * GiB),
+                                 ("nvme_bw", args.nvme_gbps and args.nvme_gbps * 1e9),
+                                 ("float8_flops", args.float8_tflops and args.float8_tflops * 1e12)) if v}
     return dataclasses.replace(d, **changes)

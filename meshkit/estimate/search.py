@@ -1,14 +1,16 @@
 """Plan search (`python -m meshkit.estimate.search`): the Playbook's "best configuration" procedure, automated with meshkit's estimator.
 
 1. Fit memory first. Every layout (pp, dp_replicate, dp_shard, cp, tp, and ep for MoE models) is tried with each
-   activation-checkpointing mode, microbatch size, ZeRO stage and gradient-sync policy, and host offload
-   where nothing else fits a mode; a plan is kept only if the peak memory of its worst rank fits the
-   device's budget (and, offloaded, its host state the host's).
+   activation-checkpointing mode, microbatch size, ZeRO stage and gradient-sync policy, and the offloads
+   (activations to the host, model state to the host, the optimizer state on to NVMe) where nothing
+   else fits a mode; a plan is kept only if the peak memory of its worst rank fits the device's budget
+   (and, offloaded, what it keeps in host memory the host's).
 2. Then meet the global batch: microbatches per step = global tokens / (dp * mbs * seq).
 3. Then scale: rank what fits by estimated step time (compute at an assumed efficiency, the pipeline
    bubble from meshkit's simulator, the communication the overlap cannot hide, and offload's host-link
-   copies and CPU optimizer step). Under cp > 1 the
-   zig-zag ring and the all-gather kind are both estimated and the faster one that fits is kept.
+   copies, CPU optimizer step and disk traffic). Under cp > 1 the zig-zag ring and the all-gather kind
+   are both estimated and the faster one that fits is kept. On a device with float8 tensor cores (H100,
+   H200) each kept plan's float8="tensorwise" twin is estimated too, where the model's projections take it.
 
 A *family* is the set of parallelisms a plan uses ("fsdp", "tp+fsdp", "pp+tp+fsdp", ...). For every
 family with no fitting plan the result says why: the smallest peak any of its plans reached, and
@@ -28,6 +30,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from meshkit.dryrun import dry_run
 from meshkit.estimate import moe
 from meshkit.estimate.core import Estimate, estimate
 from meshkit.estimate.report import build_parser, config_from_args, device_from_args, parse_tokens
@@ -38,6 +41,7 @@ from meshkit.plan import Plan, PlanError
 
 AC_ORDER = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
+NVME_DIR = "/nvme"  # offload_dir of the offload="nvme" plans the search prints: replace it with the run's own
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1), ("zb_v", 1), ("dualpipe_v", 1),
                       ("dualpipe", 1), ("zb_auto", 1))
 
@@ -206,16 +210,17 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                     on_device_fits = False
                     for kind, keep_kv in kinds:
                         offloaded, on_device = [], {}
-                        for zero, grad_sync, offload in memory_options(scheduled, workload):
-                            if offload != "none" and on_device_fits:
+                        host_tight = False  # a host-offload plan needed more host memory than there is
+                        for zero, grad_sync, offload, moved in memory_options(scheduled, workload):
+                            if (offload != "none" or moved) and on_device_fits:
                                 break
-                            same = on_device.get((zero, grad_sync))
-                            if offload != "none" and same is not None and \
-                                    same.peak - same.state.persistent > limit:
-                                continue  # offload moves exactly the persistent state off the device
+                            if _pruned(on_device.get((zero, grad_sync)), offload, moved, limit) or \
+                                    (offload == "nvme" and not host_tight):
+                                continue  # offloading cannot fit it, or the host holds the state anyway
                             plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind,
                                                        cp_keep_kv=keep_kv, zero=zero, grad_sync=grad_sync,
-                                                       offload=offload)
+                                                       offload=offload, offload_dir=NVME_DIR if offload == "nvme" else None,
+                                                       activation_offload=moved)
                             try:
                                 e = estimate(config, plan, world, workload, device)
                             except ValueError as error:
@@ -223,27 +228,33 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                                 errors += 1
                                 break  # nothing else of this kind is estimable either
                             considered += 1
-                            if offload == "none":
+                            if offload == "none" and not moved:
                                 on_device[zero, grad_sync] = e.memory
                             peak = e.peak_bytes
                             if fam not in best or peak < best[fam][0]:
                                 best[fam] = (peak, _dominant(e))
                             if peak > limit:
                                 continue
-                            if e.offload is not None and e.offload.host_bytes > host_limit:
+                            if e.host_bytes > host_limit:
+                                host_tight = True
                                 host_short.setdefault(fam, (
-                                    f"fits the device only with offload={offload}, which needs "
-                                    f"{e.offload.host_bytes / GiB:.1f} GiB of host memory per GPU > "
+                                    f"fits the device only with offload={offload}, activation_offload={moved}, which "
+                                    f"needs {e.host_bytes / GiB:.1f} GiB of host memory per GPU > "
                                     f"{host_limit / GiB:.1f} GiB, at {_dominant(e)}"))
                                 continue
-                            if offload == "none":
+                            if offload == "none" and not moved:
                                 options.append(Candidate(e.plan, workload, e))
                                 on_device_fits = True
                                 break
                             offloaded.append(Candidate(e.plan, workload, e))
                         options += offloaded
                     if options:  # the CP kind and memory option the numbers favour: faster, then smaller
-                        fits.append(min(options, key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes)))
+                        chosen = min(options, key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes))
+                        fits.append(chosen)
+                        twin = _float8_twin(chosen, config, world, seq, device, limit, host_limit)
+                        if twin is not None:
+                            fits.append(twin)
+                            considered += 1
                     if on_device_fits or errors == len(kinds):
                         break
     fits.sort(key=lambda c: (c.estimate.step_time, c.estimate.peak_bytes))
@@ -261,27 +272,61 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
     return SearchResult(fits[:top], rejected, considered, by_family, removed)
 
 
-def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str, str]]:
-    """(zero, grad_sync, offload) triples worth estimating: first the on-device ones, fewest bytes
-    moved first (ZeRO-2 gathers parameters once per step where ZeRO-3 gathers them per call and again
-    in backward; syncing gradients once per window beats syncing every call; ZeRO-1 moves what ZeRO-2
-    does with more memory, so it never wins), then host offload in both forms it takes
-    (ZeRO-Offload: zero=2, offload="optimizer"; zero=3, offload="params"), whose host-link bytes
-    and CPU step the estimate adds to the step time (`meshkit.estimate.offload`)."""
+def memory_options(plan: Plan, workload: Workload) -> list[tuple[int, str, str, bool]]:
+    """(zero, grad_sync, offload, activation_offload) worth estimating: first the on-device ones, fewest
+    bytes moved first (ZeRO-2 gathers parameters once per step where ZeRO-3 gathers them per call and
+    again in backward; syncing gradients once per window beats syncing every call; ZeRO-1 moves what
+    ZeRO-2 does with more memory, so it never wins); then, where none fits, the offloads, whose
+    host-link bytes, CPU step and disk traffic the estimate adds to the step time
+    (`meshkit.estimate.offload`): activations to the host (ZeRO-R), model state to the host (ZeRO-Offload:
+    zero=2, offload="optimizer"; zero=3, offload="params"), the optimizer state on to NVMe
+    (ZeRO-Infinity: offload="nvme", for hosts too small for it), and state and activations together."""
     policies = ("last_microbatch", "every_microbatch") if workload.calls(plan) > 1 else ("every_microbatch",)
-    offloaded = [(2, sync, "optimizer") for sync in policies] + [(3, sync, "params") for sync in policies]
+    state = [(2, sync, "optimizer") for sync in policies] + [(3, sync, "params") for sync in policies] + \
+        [(zero, sync, "nvme") for zero in (2, 3) for sync in policies]
     if plan.dp_shard * plan.cp == 1:
-        return [(plan.zero, plan.grad_sync, "none"), *offloaded]
-    return [(zero, sync, "none") for zero in (2, 3) for sync in policies] + offloaded
+        on_device = [(plan.zero, plan.grad_sync, "none")]
+    else:
+        on_device = [(zero, sync, "none") for zero in (2, 3) for sync in policies]
+    return [(*o, False) for o in on_device] + [(*o, True) for o in on_device] + \
+        [(*o, False) for o in state] + [(*o, True) for o in state if o[0] == 3]
+
+
+def _pruned(same: Any, offload: str, moved: bool, limit: float) -> bool:
+    """Whether an offload option cannot fit, judged by `same`, the memory of the same plan kept on the
+    device (None: not estimated): offloading the state moves exactly the persistent state off the
+    device, offloading activations at most the activations held."""
+    if same is None or (offload == "none" and not moved):
+        return False
+    freed = (same.state_at_peak if offload != "none" else 0) + (same.activations if moved else 0)
+    return same.peak - freed > limit
+
+
+def _float8_twin(chosen: Candidate, config: Any, world: int, seq: int, device: Device, limit: float,
+                 host_limit: float) -> Candidate | None:
+    """The same plan with float8="tensorwise", where the device has float8 tensor cores, the model's
+    projections take it, and it still fits (it gathers less, so it does whenever the plan did)."""
+    if not device.float8_flops:
+        return None
+    plan = dataclasses.replace(chosen.plan, float8="tensorwise")
+    try:
+        check_structure(plan, config, world, seq)
+        e = estimate(config, plan, world, chosen.workload, device)
+    except (PlanError, ValueError):
+        return None
+    if e.peak_bytes > limit or e.host_bytes > host_limit:
+        return None
+    return Candidate(e.plan, chosen.workload, e)
 
 
 def _dominant(e: Estimate) -> str:
     mem = e.memory
-    terms = {"model state": mem.state.persistent - mem.offloaded, "activations": mem.activations,
+    terms = {"model state": mem.state_at_peak, "activations": mem.activations,
              "transients": mem.transient + mem.fsdp_buffers}
     top = max(terms, key=terms.get)
     w = e.workload
     off = f" offload={e.plan.offload}" if e.plan.offload != "none" else ""
+    off += " activation_offload" if e.plan.activation_offload else ""
     return (f"{e.plan.describe()} ac={e.plan.activation_checkpointing}{off} mbs={w.mbs} "
             f"({top} {terms[top] / GiB:.1f} GiB)")
 
@@ -311,6 +356,24 @@ def render(result: SearchResult, limit: float, world: int) -> str:
     return "\n".join(lines)
 
 
+def verify_by_dry_run(result: SearchResult, config: Any, world: int, limit: float, k: int, *, jobs: int = 1) -> str:
+    """The `k` fastest plans run by the dry run (`meshkit.dryrun`: meshkit's real step as the first,
+    middle and last pipeline rank of a fake world), each rank's measured peak beside the estimate and
+    the budget, and whether its collectives equal the estimate's byte for byte."""
+    lines = [f"\nverified by the dry run (the real step on a fake world of {world}), the {k} fastest:",
+             f"  {'#':>2} {'rank':>6} {'estimate GiB':>13} {'measured GiB':>13}  {'fits':<5} collectives"]
+    for i, c in enumerate(result.plans[:k], 1):
+        run = dry_run(config, c.plan, world, c.workload, jobs=jobs,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+        for r in run.ranks:
+            measured = r.run.measured.peak.bytes
+            diffs = r.collective_differences
+            lines.append(f"  {i:>2} {r.run.rank:>6} {r.estimate.peak_bytes / GiB:>13.4g} {measured / GiB:>13.4g}  "
+                         f"{'yes' if measured <= limit else 'NO':<5} "
+                         f"{'equal' if not diffs else 'differ: ' + '; '.join(diffs)}  {c.describe()}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = build_parser("Search meshkit plans that fit memory, ranked by estimated step time.",
@@ -318,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M = 2**20)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="run the K fastest plans through the dry run (python -m meshkit.dryrun)")
+    parser.add_argument("--jobs", type=int, default=1, help="dry-run ranks simulated at once (with --verify)")
     args = parser.parse_args(argv)
     config = config_from_args(args)
     device = device_from_args(args)
@@ -326,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                     memory_fraction=args.memory_fraction, progress=True)
     print(f"model {args.model}, {args.world} x {device.name}, seq {args.seq}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, assumed compute efficiency {args.mfu:.0%}")
-    print(render(result, budget(device, args.memory_fraction), args.world))
+    limit = budget(device, args.memory_fraction)
+    print(render(result, limit, args.world), flush=True)
+    if args.verify:
+        print(verify_by_dry_run(result, config, args.world, limit, args.verify, jobs=args.jobs))
     return 0
 
 

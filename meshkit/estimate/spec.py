@@ -121,14 +121,19 @@ class Device:
     host_bw: float = 55e9            # host <-> device link (PCIe Gen5 x16), per direction, what copies reach
     host_memory_bw: float = 75e9     # the node's DRAM bandwidth divided among its GPUs: the CPU step's share
     host_memory_bytes: float = 256 * GiB  # host memory per GPU (2 TiB over 8 GPUs, DGX H100/H200)
+    nvme_bw: float = 3e9             # the node's NVMe drives, per GPU, per direction (offload="nvme")
+    float8_flops: float | None = None  # dense float8 FLOP/s (None: no float8 tensor cores; plan_search skips float8)
 
 
 # H100/H200 SXM: NVLink 4 moves 900 GB/s both ways (450 each way); one 400 Gb/s NDR NIC per GPU. Host side
 # (DGX): PCIe Gen5 x16 per GPU (64 GB/s per direction on paper, ~55 reached by pinned copies), two sockets
-# of 8-channel DDR5-4800 (~614 GB/s) shared by 8 GPUs, 2 TiB of DRAM.
+# of 8-channel DDR5-4800 (~614 GB/s) shared by 8 GPUs, 2 TiB of DRAM; 8 NVMe U.2 data drives (~25 GB/s of
+# sequential reads together: ~3 GB/s per GPU). Dense float8 (e4m3) tensor-core peak: twice bf16's.
 DEVICES = {
-    "h100": Device("h100", metrics.PEAK_FLOPS["h100"]["bfloat16"], 79.6 * GiB, 450e9, 50e9),
-    "h200": Device("h200", metrics.PEAK_FLOPS["h200"]["bfloat16"], 139.8 * GiB, 450e9, 50e9),
+    "h100": Device("h100", metrics.PEAK_FLOPS["h100"]["bfloat16"], 79.6 * GiB, 450e9, 50e9,
+                   float8_flops=metrics.PEAK_FLOPS["h100"]["float8"]),
+    "h200": Device("h200", metrics.PEAK_FLOPS["h200"]["bfloat16"], 139.8 * GiB, 450e9, 50e9,
+                   float8_flops=metrics.PEAK_FLOPS["h200"]["float8"]),
 }
 
 
@@ -168,6 +173,7 @@ class ParamSpec:
     tp_summed: bool = False  # an MoE weight TP leaves whole: its gradient is all-reduced over tp
     kind: str = "dense"  # block and expert tensors: the kind of block ("dense" or "moe") they belong to
     role: str = ""  # the TP role of the layer holding it (models/roles.block_roles), "" outside blocks
+    owner: str = ""  # the module holding it, within its block ("self_attn.q_proj"), "" outside blocks
     trainable: bool = True  # False: frozen (a LoRA model's base), no gradient and no optimizer state
     adapter: str = ""  # "lora_A" / "lora_B": a LoRA adapter tensor (placed by `tensor_parallel.lora`)
     attention: bool = False  # an adapter of an attention linear
@@ -184,6 +190,7 @@ class BlockUnits:
     expert: int   # one block's expert unit (0 for a dense block)
     block_grad: int = -1   # of `block`, the elements with gradients (padded); -1: all (no frozen weights)
     expert_grad: int = -1  # of `expert`, likewise
+    float8: int = 0  # of `block`, the projection weights float8 converts (gathered in float8 under tensorwise)
 
     def __post_init__(self) -> None:
         if self.block_grad < 0:
@@ -239,6 +246,11 @@ class ModelState:
     def block_elements(self) -> int:
         """Elements of every block unit of the rank as gathered (expert units included)."""
         return sum(u.count * (u.block + u.expert) for u in self.block_units)
+
+    @property
+    def float8_elements(self) -> int:
+        """Of `block_elements`, the projection weights `Plan.float8` converts (gathered padded rows)."""
+        return sum(u.count * u.float8 for u in self.block_units)
 
     @property
     def persistent(self) -> int:

@@ -7,7 +7,7 @@ gradient shards and the optimizer's state, 4 + 4 + 8 bytes per parameter over N 
 ranks for AdamW. What differs is what is replicated on top:
 
 - gathered compute parameters (param_dtype, FSDP2's padded all-gather buffers): ZeRO-1/2 keep every
-  unit's through the accumulation window; ZeRO-3 only the units running (`memory.rank_memory`).
+  unit's through the accumulation window; ZeRO-3 only the units running (`peak.rank_memory`).
 - full, unreduced gradients (reduce_dtype: FSDP2 accumulates unreduced gradients in it): ZeRO-1
   keeps them to the end of each synced call's backward, and every stage keeps them between the
   calls of a window under `grad_sync="last_microbatch"`.
@@ -42,6 +42,9 @@ class ZeroMemory:
     full_grads: int     # full unreduced gradients at the end of the window's last backward (ZeRO-1)
     window_grads: int   # full unreduced gradients kept between the calls of a window (last_microbatch)
     host: int           # of master + grads + optimizer, the bytes offload moves to host memory
+    full: int = 0       # every unit's full unreduced gradient, as FSDP2 accumulates it (reduce dtype)
+    sharded: bool = True  # FSDP2 applies (data ranks, mixed precision or offload)
+    disk: int = 0       # of the optimizer state, the bytes offload="nvme" keeps in its file instead
 
     @property
     def between_calls(self) -> int:
@@ -57,8 +60,8 @@ class ZeroMemory:
 
     @property
     def on_device(self) -> int:
-        """`at_last_backward` less what offload keeps in host memory."""
-        return self.at_last_backward - self.host
+        """`at_last_backward` less what offload keeps in host memory or on disk."""
+        return self.at_last_backward - self.host - self.disk
 
 
 def gathered_elements(state: ModelState) -> int:
@@ -66,6 +69,19 @@ def gathered_elements(state: ModelState) -> int:
     units = state.unit_elements
     edges = units["embed"] + units["head"]
     return edges + state.block_elements
+
+
+def gathered_bytes(plan: Plan, elements: int, float8_elements: int) -> int:
+    """Bytes of gathered parameters: param_dtype, except the float8 projection weights FSDP gathers in
+    one byte each (`float8="tensorwise"`)."""
+    act = dtype_bytes(plan.param_dtype)
+    return elements * act - (float8_elements * (act - 1) if plan.float8 == "tensorwise" else 0)
+
+
+def largest_unit_state(state: ModelState, fsdp: int) -> int:
+    """Optimizer-state bytes (AdamW: two fp32 moments) of the rank's largest FSDP unit's shard: what
+    offload="nvme" streams through host memory at a time (two units: the one stepping, the next read)."""
+    return ADAM_STATE_BYTES * -(-max(state.unit_elements.values()) // max(fsdp, 1))
 
 
 def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: bool = False) -> ZeroMemory:
@@ -79,15 +95,22 @@ def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: boo
     """
     sharded = plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32" or \
         plan.offload != "none"
-    act, red = dtype_bytes(plan.param_dtype), dtype_bytes(plan.reduce_dtype)
-    gathered = gathered_elements(state) * act if sharded and plan.zero < 3 else 0
+    red = dtype_bytes(plan.reduce_dtype)
+    gathered = gathered_bytes(plan, gathered_elements(state), state.float8_elements) \
+        if sharded and plan.zero < 3 else 0
     full = state.held_trainable * red if sharded else 0  # frozen weights (LoRA's base) have no gradient
     if sharded and config is not None and plan.tp > 1 and state.grad_unit_elements["embed"] > 0:
         full += config.vocab_size * config.hidden_size * (plan.tp - 1) // plan.tp * red
     grads = 0 if fused else state.grad_bytes
     host = state.param_bytes + grads + state.optimizer_bytes if plan.offload != "none" else 0
+    disk = 0
+    if plan.offload == "nvme":  # the optimizer state in the file; two units' of it in host memory at a time
+        streamed = min(2 * largest_unit_state(state, plan.dp_shard * plan.cp), state.optimizer_bytes)
+        disk = state.optimizer_bytes - streamed
+        host -= disk
     return ZeroMemory(plan.zero, state.param_bytes, grads, state.optimizer_bytes, gathered,
-                      full if plan.zero == 1 else 0, full if plan.grad_sync == "last_microbatch" else 0, host)
+                      full if plan.zero == 1 else 0, full if plan.grad_sync == "last_microbatch" else 0, host,
+                      full, sharded, disk)
 
 
 def paper_model_states(zero: int, psi: float, n: int, *, param_bytes: int = 2, grad_bytes: int = 2,

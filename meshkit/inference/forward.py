@@ -13,8 +13,8 @@ run, with three differences from `forward_backward`:
   are gathered over cp (and put back in order from the zig-zag layout). The vocabulary stays split
   over tp (a DTensor, `Shard(2)`, so evaluation and sampling can stay sharded) unless `gather=True`.
 
-The HF module's own `forward`/`generate` cannot run once its weights are sharded and its blocks are
-driven by meshkit's stages: `refuse_hf_forward` makes them raise a ValueError that points here.
+The HF module's own `forward` and `generate` after `parallelize` are `inference.hf_forward`'s (the
+stages run there with autograd, for trainers' losses).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from meshkit.context_parallel import sharding as cp_sharding
@@ -211,21 +210,3 @@ def forward(pm: ParallelModel, input_ids: torch.Tensor, position_ids: torch.Tens
         return torch.cat(parts, dim=-1)
     return DTensor.from_local(logits, tp_mesh, [Shard(2)], run_check=False)
 
-
-def _refuse(module: nn.Module, args, kwargs):
-    raise ValueError(
-        f"{type(module).__name__}.forward (and .generate) cannot run after meshkit.parallelize: the weights are "
-        f"sharded over the plan's axes and meshkit's stages drive the decoder blocks. Use "
-        f"pm.forward(input_ids) for logits (every plan, equal to the single-device model) and "
-        f"pm.generate(prompt_ids, max_new_tokens=...) for generation; for a plain HF model, export with "
-        f"pm.save_hf_checkpoint(dir) or pm.full_state_dict()"
-    )
-
-
-def refuse_hf_forward(model: nn.Module) -> None:
-    """Make the parallelized HF module's own forward raise a ValueError naming `pm.forward` / `pm.generate`.
-
-    Without it, HF's forward reaches sharded weights and meshkit's attention with HF's mask and
-    crashes deep inside transformers (or, under pp, silently runs on meta tensors).
-    """
-    model.register_forward_pre_hook(_refuse, with_kwargs=True)

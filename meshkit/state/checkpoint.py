@@ -97,17 +97,19 @@ def save(path: str | os.PathLike, pm: ParallelModel, optimizer: Optimizer, *,
 
 def state_dict(pm: ParallelModel, optimizer: Optimizer, *, scheduler: Any = None, step: int = 0,
                extra: Any = None, run_id: str | None = None, data: Any = None,
-               adapter_only: bool = False) -> dict[str, Any]:
+               adapter_only: bool = False, check_finite: bool = True) -> dict[str, Any]:
     """What `save` hands DCP, keyed by HF names; refused when any tensor in it is non-finite.
 
     The finiteness check is collective (one all-reduce): a NaN on one rank's shard must stop every
-    rank's save, or the others would wait in DCP for it.
+    rank's save, or the others would wait in DCP for it. `check_finite=False` skips it, for tensors
+    without values (a dry run planning a checkpoint on fake tensors, `meshkit.dryrun`).
     """
     state: dict[str, Any] = {MODEL + name: t.detach() for name, t in _model_tensors(pm) if _kept(name, t, adapter_only)}
     for name, param in _optimizer_params(pm, optimizer):
         for key, value in optimizer.state.get(param, {}).items():
             state[f"{OPTIM_STATE}{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
-    raise_if_any(_non_finite(state, step))
+    if check_finite:
+        raise_if_any(_non_finite(state, step))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:  # identical on every rank; one copy, so DCP never has to pick between ranks
         state[OPTIM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in _hyper_groups(optimizer)]

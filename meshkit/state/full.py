@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshkit._compat.fake import forget_fake_memo
 from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import axis
 from meshkit.models import hf_moe, llama
@@ -122,12 +123,17 @@ def _swap_plain_parameters(module: nn.Module, device: torch.device) -> None:
     `Module.to_empty` swaps DTensor parameters (FSDP, TP) in place, but replaces a plain parameter by a
     new `Parameter` (meta and CPU tensors are not shallow-copy compatible), which orphaned the
     parameters an optimizer already holds: plans without FSDP or TP on some weights (`pp=2` alone, TP
-    without SP's norms) and tied weights shared by two modules.
+    without SP's norms) and tied weights shared by two modules. Under a FakeTensorMode (a dry run,
+    `meshkit.dryrun`) `swap_tensors` refuses the weak references fake tensors carry: the new storage is
+    made from the shape alone (an op on the meta parameter would convert it, attaching one) and the
+    fake mode's own reference to the new tensor is dropped.
     """
     for sub in module.modules():
         for param in sub._parameters.values():
             if param is not None and param.is_meta and not isinstance(param, DTensor):
-                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+                real = nn.Parameter(storage, requires_grad=param.requires_grad)
+                forget_fake_memo(real)
                 torch.utils.swap_tensors(param, real)
 
 

@@ -139,3 +139,14 @@ def summed_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     dist.all_reduce(flat, group=group)
     for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))
+
+
+@contextlib.contextmanager
+def every_sum_of_a_call(mirror: tuple, tp_summed: tuple, tied: tuple) -> Iterator[None]:
+    """All of meshkit's own sums around one forward/backward, each a (params, group) pair, in the order
+    they compose: a tied weight's local copies first, then the sums over ranks, DualPipe's mirror
+    pair last (it adds whole local gradients)."""
+    (tied_params, tied_group) = tied
+    with mirror_summed_per_call(*mirror), summed_per_call(*tp_summed), summed_per_call(tied_params, tied_group), \
+            copies_summed_per_call(tied_params if tied_group is None else []):
+        yield

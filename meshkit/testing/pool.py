@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, BinaryIO
 
+from meshkit._compat import float8 as quiet_torchao
 from meshkit.testing import worker as worker_module
 from meshkit.testing.worker import WorkerSpec, worker_main
 
@@ -218,8 +219,9 @@ class WorkerPool:
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             # The worker module too: it imports the whole meshkit package, which the test process has
-            # just imported without error, so the fork server cannot trip over it.
-            ctx.set_forkserver_preload([*self.preload, worker_module.__name__])
+            # just imported without error, so the fork server cannot trip over it. The torchao log filter
+            # first, before a preloaded transformers modeling module imports torchao (`_compat.float8`).
+            ctx.set_forkserver_preload([quiet_torchao.__name__, *self.preload, worker_module.__name__])
         # The test process hosts the rendezvous store on a port the kernel picked, so concurrent
         # sessions on one machine never race for a port.
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,

@@ -105,6 +105,8 @@ def test_fsdp_bytes_of_a_window_match_the_estimate(windows, index):
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"])
         predicted = {"all_gather": 0.0, "reduce_scatter": 0.0}
         for c in est.communication(config, plan, workload, est.DEVICES["h100"], state, 1.0, 0.0):
+            if c.axis == "pp_cp_tp":  # the input checks' batch signature: these runs check no inputs
+                continue
             if c.axis == "dp_shard_cp":
                 predicted[c.kind] += c.calls * c.buffer
         assert r["comm"] == pytest.approx(predicted), f"{RUNS[index]}, rank {rank}"

@@ -277,6 +277,8 @@ def test_communication_matches_comm_counter(mesh_runs, key: str) -> None:
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"])
         predicted: dict[str, float] = {}
         for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
+            if c.axis == "pp_cp_tp":  # the input checks' batch signature: these runs check no inputs
+                continue
             label = f"{c.kind}@{c.axis}"
             predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
         counted = {k: v for k, v in r["comm"].items()
@@ -342,6 +344,8 @@ def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
         state = est.model_state(config, plan, pp_rank=r["pp_rank"], tp_rank=r["tp_rank"], fsdp_rank=r["fsdp_rank"])
         predicted: dict[str, float] = {}
         for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
+            if c.axis == "pp_cp_tp":  # the input checks' batch signature: these runs check no inputs
+                continue
             label = f"{c.kind}@{c.axis}"
             predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
         # With ep = dp_shard x cp the ep group is the FSDP group (CommCounter names it dp_shard_cp):

@@ -127,7 +127,8 @@ def _recipe_modules():
 
 def test_every_documented_recipe_command_parses_and_its_config_passes_the_preflight():
     """The flags exist, the preset loads, and the plan fits the launched world (pp, batch, seq_len):
-    what the recipe checks before it starts a process group, for each command as a user pastes it."""
+    what the recipe checks before it starts a process group, for each command as a user pastes it
+    (a `--dry-run` command's world is its `--world`)."""
     commands = recipe_commands()
     assert len(commands) >= 17, commands
     train_config, preflight = _recipe_modules()
@@ -135,7 +136,7 @@ def test_every_documented_recipe_command_parses_and_its_config_passes_the_prefli
         words = shlex.split(command)
         launcher, args = words[:words.index("recipes/train_llama.py")], words[words.index("recipes/train_llama.py") + 1:]
         parsed = train_config.build_parser().parse_args(args)
-        if parsed.check:  # `python recipes/train_llama.py ... --check --world N`: one process, N ranks checked
+        if parsed.check or parsed.dry_run:  # one process, N ranks checked or simulated (no torchrun)
             assert "torchrun" not in " ".join(launcher) and parsed.world, (where, command)
             per_node, nodes = parsed.world, 1
         else:

@@ -170,3 +170,12 @@ def test_unknown_keys_are_named():
         Plan.from_string("tp=two")
     with pytest.raises(ValueError, match=r"tp='2 dp_shard=2': one option per key=value, separated by commas"):
         Plan.from_string("tp=2 dp_shard=2")
+
+
+def test_compile_under_tensor_parallel_is_refused_with_the_fix():
+    """Compiled blocks under tp fail in backward (DTensor's redistribute gets a plain gradient): the plan
+    is refused before any collective, naming both ways out; compile without tp stays allowed."""
+    with pytest.raises(PlanError, match=r"compile=True with tp=2.*fix: compile=False, or tp=1"):
+        Plan(tp=2, compile=True).validate(world_size=2)
+    Plan(dp_shard=2, compile=True).validate(world_size=2)
+    Plan(tp=2).validate(world_size=2)

@@ -1,0 +1,129 @@
+"""What a pipeline rank holds while its schedule runs: its actions replayed with each one's bytes.
+
+The simulator's in-flight count (F to its W or BW) treats every microbatch alike; the bytes do not:
+a rank's stages hold different blocks (the last one the head and the loss), and a schedule that
+splits the backward (ZB-H1/H2, ZB-V, DualPipeV) keeps, between a microbatch's B and its W, only what
+the weight gradients need: each deferred linear's input and its output gradient
+(`meshkit.pipeline.weight_grad`), not the whole block's activations. Replaying the rank's actions
+in order with those bytes gives the largest total and what it is made of; each backward adds its
+transient on top (the loss's on the last stage, a block's recompute elsewhere). The dry run measured
+the difference: a last stage under ZB-H2 held four times the loss transient in deferred head gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from meshkit.estimate.spec import ParamSpec, Workload, dtype_bytes
+from meshkit.pipeline.actions import COMPUTE_KINDS
+from meshkit.pipeline.schedules import build_schedule
+from meshkit.plan import Plan
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """One stage-microbatch pair: activations from its forward to its backward, and what a B/W schedule
+    keeps from its B to its W (layer inputs, already activations, and output gradients, new)."""
+
+    activations: int
+    deferred_inputs: int = 0
+    deferred_grads: int = 0
+    transient: int = 0   # on top while its backward runs (loss backward or a block's recompute)
+    last: bool = False   # the stage holding the loss
+    weight_transient: int = 0  # on top while its W runs: the largest weight gradient it computes
+
+
+@dataclass(frozen=True)
+class Held:
+    """The rank's largest moment: activations alive then (deferred layer inputs included), deferred output
+    gradients, the backward's transient, and whether the loss's backward was starting."""
+
+    activations: int
+    deferred_grads: int
+    transient: int
+    loss: bool
+    pairs: int  # stage-microbatch pairs whose activations were alive (forward done, backward not)
+
+    @property
+    def total(self) -> int:
+        """Bytes of the moment."""
+        return self.activations + self.deferred_grads + self.transient
+
+
+@functools.lru_cache(maxsize=256)
+def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], ...]:
+    return tuple((a.kind.value, a.stage) for a in build_schedule(schedule, pp, m, v).ranks[rank]
+                 if a.kind in COMPUTE_KINDS)
+
+
+def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
+    """Replay `pp_rank`'s compute actions under the plan's schedule with `stages`' bytes (by global
+    stage); return the largest moment (after a forward, or as a backward starts with its transient)."""
+    actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank)
+    act = grads = pairs = 0
+    best = Held(0, 0, 0, False, 0)
+    for kind, s in actions:
+        b = stages[s]
+        if kind in ("B", "BW"):
+            best = max(best, Held(act, grads, b.transient, b.last, pairs), key=lambda h: h.total)
+        elif kind == "W":
+            best = max(best, Held(act, grads, b.weight_transient, False, pairs), key=lambda h: h.total)
+        if kind == "F":
+            act, pairs = act + b.activations, pairs + 1
+        elif kind == "B":
+            act, grads, pairs = act - b.activations + b.deferred_inputs, grads + b.deferred_grads, pairs - 1
+        elif kind == "W":
+            act, grads = act - b.deferred_inputs, grads - b.deferred_grads
+        else:  # BW
+            act, pairs = act - b.activations, pairs - 1
+        best = max(best, Held(act, grads, 0, False, pairs), key=lambda h: h.total)
+    return best
+
+
+def largest_weight(plan: Plan, specs: Iterable[ParamSpec], kind: str) -> int:
+    """Bytes of the largest weight gradient a W computes for one block of `kind` (compute dtype, TP shard)."""
+    sizes = [spec.shape[0] * spec.shape[1] // (plan.tp if spec.tp_dim is not None else 1) for spec in specs
+             if spec.unit == "block" and spec.kind == kind and len(spec.shape) == 2]
+    return max(sizes, default=0) * dtype_bytes(plan.param_dtype)
+
+
+def deferred_bytes(config: Any, plan: Plan, workload: Workload, specs: Iterable[ParamSpec], kind: str) -> tuple[int, int]:
+    """(layer inputs, output gradients) one block of `kind` keeps from its B to its W, on one rank.
+
+    Every eager linear's weight gradient is deferred: a column-parallel one's input is the whole
+    (gathered) sequence shard and its output gradient its share of the features; a row-parallel one's
+    input is its share and its output gradient the whole width, before the reduce-scatter. Column-
+    parallel (and replicated) linears of one sub-module reading the hidden state share one input
+    (q/k/v, gate/up). Experts run as grouped GEMMs, whose gradients come in B.
+    """
+    tokens = workload.mbs * (workload.seq // plan.cp)
+    h, act, tp = config.hidden_size, dtype_bytes(plan.param_dtype), plan.tp
+    inputs = grads = 0
+    reading_hidden: set[str] = set()  # sub-modules whose linears' shared hidden-state input is counted
+    for spec in specs:  # a block's two-dimensional parameters are its linears' weights
+        if spec.unit != "block" or spec.kind != kind or len(spec.shape) != 2:
+            continue
+        out, inp = spec.shape
+        if spec.tp_dim == 1:  # row-parallel
+            inputs, grads = inputs + tokens * inp // tp, grads + tokens * out
+            continue
+        grads += tokens * (out // tp if spec.tp_dim == 0 else out)
+        group = spec.owner.split(".")[0]
+        if inp != h:
+            inputs += tokens * inp
+        elif group not in reading_hidden:
+            reading_hidden.add(group)
+            inputs += tokens * inp
+    return inputs * act, grads * act
+
+
+def head_deferred_bytes(config: Any, plan: Plan, workload: Workload) -> tuple[int, int, int]:
+    """(input, output gradient, weight gradient) of the LM head under a B/W split: the gathered final
+    hidden state and the gradient of this rank's share of the logits, kept from B to W, and the weight
+    gradient W computes, all in the compute dtype."""
+    tokens = workload.mbs * (workload.seq // plan.cp)
+    act, rows = dtype_bytes(plan.param_dtype), config.vocab_size // plan.tp
+    return tokens * config.hidden_size * act, tokens * rows * act, rows * config.hidden_size * act
