@@ -102,9 +102,11 @@ def _params() -> tuple[int, int]:
 def _fsdp_minimum() -> float:
     """The fewest bytes FSDP's units must move per rank: forward gathers, backward re-gathers of the resharded blocks, one reduce-scatter."""
     total, blocks = _params()
-    # fwd gathers everything, bwd re-gathers the blocks ([norm, head] is never resharded, the
-    # embedding's backward reads no weight), every gradient reduce-scattered once; fp32, (n-1)/n = 1/2
-    return 0.5 * 4 * (total + blocks + total)
+    # fwd gathers everything, bwd re-gathers the blocks but the last ([norm, head] and the block before
+    # it are needed first by backward, the embedding's backward reads no weight), every gradient
+    # reduce-scattered once; fp32, (n-1)/n = 1/2
+    regathered = blocks * (MODEL["num_hidden_layers"] - 1) / MODEL["num_hidden_layers"]
+    return 0.5 * 4 * (total + regathered + total)
 
 
 def _tp_minimum(sp: bool) -> float:
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtypes = {"fp32": "param_dtype=float32", "bf16 (fp32 grads)": "param_dtype=bfloat16,reduce_dtype=float32"}
     plans = {f"cp/{k}/{d}": f"cp=2,cp_attention={k.removesuffix('_keep')},{text}"
-             + (",cp_keep_kv=true" if k.endswith("_keep") else "") for k in CP_KINDS for d, text in dtypes.items()}
+             + (f",cp_keep_kv={str(k.endswith('_keep')).lower()}" if k.startswith(("ring", "zigzag")) else "")
+             for k in CP_KINDS for d, text in dtypes.items()}
     plans["fsdp/meshkit"] = "dp_shard=2"
     plans["tp/TP+SP"] = "tp=2"
     plans["tp/TP"] = "tp=2,sequence_parallel=false"

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder: writes cpu_time.md and cpu_time.png there")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK['reps']} repetitions instead of {FULL['reps']}")
-    parser.add_argument("--profile", action="store_true", help="per-op breakdown of one TP step per variant")
+    parser.add_argument("--profile", action="store_true", help="per-op breakdown of one step per variant")
     parser.add_argument("--groups", nargs="*", default=["tp", "fsdp"])
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for group in args.groups:
             results = run_ranks(run_group, 2, group, folder, cfg["reps"], cfg["warmup"],
-                                args.profile and group == "tp")
+                                args.profile)
             summaries[group] = _summarise(results)
             if "profile" in results[0]:
                 profiles[group] = results[0]["profile"]

@@ -149,7 +149,8 @@ def theory(config: Any, plan: Any, batch: int, seq: int) -> dict[tuple[str, str]
         block = sharded_block / t + 2 * h
         last = h + vocab * h / t
         total = embed + layers * block + last
-        regathered = layers * block if plan.fsdp_reshard else 0.0  # the embedding's backward reads no weight
+        # the embedding's backward reads no weight; the last block stays gathered for backward
+        regathered = (layers - 1) * block if plan.fsdp_reshard else 0.0
         if fsdp > 1:
             out[("all_gather", "dp_shard_cp")].append(("FSDP params forward", total * pbytes))
             if regathered:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from meshkit._compat import collectives as compat_collectives
 
-__all__ = ["Heartbeat", "Silent", "collective_timeout_s", "start_for_process_group"]
+__all__ = ["Heartbeat", "Silent", "collective_timeout_s", "start_for_process_group", "stop_all"]
 
 WATCH_ALL = 32
 
@@ -70,6 +71,7 @@ class Heartbeat:
         """Beat once now (so peers see this rank at once) and start the thread."""
         self._beat(0)
         self._thread.start()
+        _RUNNING.add(self)
         return self
 
     def progress(self, step: int) -> None:
@@ -78,10 +80,16 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop beating and watching (a finished rank must not be reported by slower peers: call it
-        after the last collective)."""
+        after the last collective).
+
+        Waits for the thread to end: it finishes the store call in hand first (bounded by the store's
+        timeout). A thread still inside a store call when the interpreter finalizes is killed there
+        by CPython, mid C++ frame, and the process aborts ("terminate called without an active
+        exception"), so a heartbeat left running is stopped at exit too (`meshkit.mesh`'s exit hook).
+        """
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=max(2 * self.interval_s, 1.0))
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _beat(self, counter: int) -> None:
         self.store.set(str(self.rank), f"{counter} {self.step}")
@@ -110,6 +118,15 @@ class Heartbeat:
                     silent.append(Silent(r, now - last_change[r], _step_of(value)))
             if silent:
                 self.on_silent(silent)
+
+
+_RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    """Stop every heartbeat of this process (the exit hook calls it before the process groups go)."""
+    for beat in list(_RUNNING):
+        beat.stop()
 
 
 def _step_of(value: bytes | None) -> int:

@@ -22,6 +22,8 @@ never multiply the world size. USP splits the cp axis once more into a ring part
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from datetime import timedelta
 
@@ -32,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshkit import attempt_store
 from meshkit._compat.collectives import align_group_timeouts, set_default_group_timeout
 from meshkit._compat.mesh import concatenate_meshes, flatten_mesh, split_axis, submesh
+from meshkit.heartbeat import stop_all as stop_heartbeats
 from meshkit.plan import Plan, PlanError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -61,6 +64,7 @@ def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.
     """
     if dist.is_initialized():
         return dist.get_world_size()
+    close_at_exit()
     device_type = device_type or default_device_type()
     backend = "nccl" if device_type == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -84,6 +88,36 @@ def ensure_process_group(device_type: str | None = None, timeout_s: float = 600.
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
                                 timeout=timedelta(seconds=timeout_s))
     return dist.get_world_size()
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def close_at_exit() -> None:
+    """Tear this process's distributed state down at interpreter exit, before finalization starts.
+
+    A process whose script ends without `destroy_process_group` reaches finalization with meshkit's
+    daemon threads (heartbeat) and gloo's worker threads alive. A thread that needs the GIL then
+    (to finish a store call, or to free the last reference to a collective's tensors) is ended by
+    CPython inside a C++ frame, and the process aborts with "terminate called without an active
+    exception" after all its work is done (torchrun then reports rc=1). At exit this stops the
+    heartbeats, forgets meshkit's cached meshes and destroys the default gloo process group and its
+    subgroups while the interpreter is whole, so no such thread outlives it. Registered once, by
+    `init_mesh` and `ensure_process_group`; a no-op when the script destroyed the group itself.
+    NCCL groups are left to the script: destroying one while a peer still runs can hang.
+    """
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(_close_process_groups)
+
+
+def _close_process_groups() -> None:
+    stop_heartbeats()
+    _MESHES.clear()
+    _MESHES_WORLD.clear()
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+    gc.collect()  # groups nothing else holds are freed now, their threads joined, interpreter alive
 
 
 def world_size_from_env() -> int:
@@ -126,6 +160,7 @@ def init_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     plan = plan.validate(world_size=world)
     device_type = device_type or default_device_type()
     ensure_process_group(device_type)
+    close_at_exit()
     shape = tuple(getattr(plan, axis) for axis in AXES)
     key = (device_type, shape)
     default_group = dist.group.WORLD

@@ -24,6 +24,7 @@ from meshkit.context_parallel import rules as cp_rules
 from meshkit.context_parallel.sharding import required_multiple
 from meshkit.data_parallel.rules import memory_problems
 from meshkit.float8 import rules as float8_rules
+from meshkit.models import roles
 from meshkit.models import rules as model_rules
 from meshkit.pipeline import rules as pp_rules
 from meshkit.pipeline.auto import memory_limit_problem
@@ -36,7 +37,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-CP_ATTENTION = ("ring", "zigzag", "allgather", "ulysses", "usp")
+CP_ATTENTION = ("auto", "ring", "zigzag", "allgather", "ulysses", "usp")  # auto: context_parallel/rules.choose_cp
 # The dtype names a plan takes (param_dtype, reduce_dtype) and the torch dtypes they mean.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,9 +72,9 @@ class Plan:
     reduce_dtype: str = "float32"
     reshard_after_forward: bool | None = None
     compile: bool = False
-    cp_attention: str = "zigzag"
+    cp_attention: str = "auto"
     cp_ulysses: int = 1
-    cp_keep_kv: bool = False
+    cp_keep_kv: bool | None = None
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
@@ -132,7 +133,7 @@ class Plan:
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r}: must be one of {tuple(DTYPES)}")
         for name in ("sequence_parallel", "loss_parallel", "compile", "cp_keep_kv", "activation_offload"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "cp_keep_kv" and self.cp_keep_kv is None):
                 problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             problems.append(f"reshard_after_forward={self.reshard_after_forward!r}: must be a bool or None")
@@ -185,6 +186,9 @@ class Plan:
                     f"{plan.pp}*{plan.dp_replicate}*{plan.dp_shard}*{plan.cp}*{plan.tp} = {plan.world_size} "
                     f"processes; fix: launch `torchrun --nproc-per-node {plan.world_size}` or set dp_shard=-1"
                 )
+        unsupported = model_rules.unsupported_config(model_config) if model_config is not None else None
+        if model_config is not None and not unsupported:
+            plan = plan.resolve_cp(model_config)
         problems += cp_rules.cp_problems(plan)
         problems += pp_rules.pp_problems(plan)
         if (plan.dp_shard * plan.cp) % plan.ep:
@@ -205,7 +209,6 @@ class Plan:
                 "than the parameters loses gradient bits for nothing; fix: reduce_dtype='float32'"
             )
         if model_config is not None:
-            unsupported = model_rules.unsupported_config(model_config)
             if unsupported:
                 problems.append(unsupported)
             else:
@@ -222,6 +225,24 @@ class Plan:
                     problems.append(f"seq_len={seq_len}: {problem}")
         _raise(problems)
         return plan
+
+    def resolve_cp(self, model_config: Any = None) -> Plan:
+        """Return a copy whose `cp_attention` / `cp_keep_kv` left open ("auto" / None) are chosen for this
+        model (`context_parallel.rules.choose_cp`: the byte minimum the memory allows); the reason
+        reads back from `cp_choice` and `describe()`. Plans without context parallelism stay as they are."""
+        if self.cp == 1 or (self.cp_attention != "auto" and self.cp_keep_kv is not None):
+            return self
+        shape = None if model_config is None else \
+            cp_rules.AttentionShape(model_config.hidden_size, *roles.kernel_dims(model_config))
+        choice = cp_rules.choose_cp(self, shape)
+        plan = dataclasses.replace(self, cp_attention=choice.kind, cp_keep_kv=choice.keep_kv)
+        object.__setattr__(plan, "_cp_choice", choice.why or None)
+        return plan
+
+    @property
+    def cp_choice(self) -> str | None:
+        """Why the context-parallel kind and keep-K/V are what they are, when meshkit chose them."""
+        return getattr(self, "_cp_choice", None)
 
     @property
     def microbatches(self) -> int:
@@ -255,8 +276,9 @@ class Plan:
 
     @property
     def cp_layout(self) -> str:
-        """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces."""
-        return "zigzag" if self.cp_attention in ("zigzag", "allgather", "usp") else "contiguous"
+        """How the sequence is cut over cp: zig-zag balances causal work; Ulysses needs contiguous pieces
+        ("auto" before `resolve_cp` reads as the zig-zag ring, its choice when no model says otherwise)."""
+        return "zigzag" if self.cp_attention in ("auto", "zigzag", "allgather", "usp") else "contiguous"
 
     @property
     def ulysses_degree(self) -> int:
@@ -341,9 +363,16 @@ class Plan:
         return ",".join(parts)
 
     def describe(self) -> str:
-        """One line naming the non-trivial degrees, for logs."""
+        """One line naming the non-trivial degrees, for logs; with cp, the attention kind, whether the
+        ring keeps K/V, and why when meshkit chose them (`resolve_cp`)."""
         parts = [f"{d}={getattr(self, d)}" for d in DEGREES if getattr(self, d) != 1]
-        return ",".join(parts) or "single device"
+        line = ",".join(parts) or "single device"
+        if self.cp > 1:
+            keep = {True: ", K/V kept", False: ", K/V resent"}.get(self.cp_keep_kv, "") \
+                if self.cp_attention in ("ring", "zigzag") else ""
+            why = f"; chosen: {self.cp_choice}" if self.cp_choice else ""
+            line += f" (cp_attention={self.cp_attention}{keep}{why})"
+        return line
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -271,7 +271,7 @@ def check_only(run: Any, world: int) -> int:
         sys.stderr.write(f"--check: {len(problems)} problem(s) for {world} rank(s):\n  - " + "\n  - ".join(problems)
                          + "\n")
         return 2
-    plan = run.plan.resolve(world)
+    plan = run.plan.resolve(world).resolve_cp(model_config)  # cp: the kind parallelize will choose, and why
     print(f"--check: ok for {world} rank(s): plan {plan.describe()}, config, data and save dir checked", flush=True)
     print_prediction(model_config, plan, world, run.train)
     return 0

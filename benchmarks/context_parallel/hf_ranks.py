@@ -66,7 +66,8 @@ def build_meshkit(spec: dict, kind: str, ulysses: int) -> Any:
         model = LlamaForCausalLM(llama_config(spec))
     P = dist.get_world_size()
     cp_kind = "ring" if kind == "all-gather KV" else kind.split(" ")[0]
-    plan = meshkit.Plan(cp=P, cp_attention=cp_kind, cp_ulysses=ulysses if cp_kind == "usp" else 1)
+    plan = meshkit.Plan(cp=P, cp_attention=cp_kind, cp_ulysses=ulysses if cp_kind == "usp" else 1,
+                        cp_keep_kv=False)  # the ring kinds as tabulated: K/V re-sent in backward
     pm = meshkit.parallelize(model, plan)
     pm.init_weights(0)
     if kind == "all-gather KV":

@@ -17,9 +17,11 @@ model steps; `wait_s` accumulates the time `next()` spent waiting for it (the da
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +64,18 @@ def fits_model_problems(store: TokenStore | Mapping[str, TokenStore], seq_len: i
                             f"(prepare --tokenizer <model dir>), or, for a model trained from scratch, a config with "
                             f"vocab_size >= {s.vocab_size} (the recipe: --model-set vocab_size={s.vocab_size})")
     return problems
+
+
+# Loaders whose prefetch thread may be running. A daemon thread still inside a torch op (which
+# releases the GIL) when the interpreter finalizes is killed by CPython mid C++ frame, and the
+# process aborts ("terminate called without an active exception"): the thread is stopped at exit.
+_PREFETCHING: weakref.WeakSet[PackedLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_prefetching() -> None:
+    for loader in list(_PREFETCHING):
+        loader.close()
 
 
 class PackedLoader:
@@ -152,6 +166,7 @@ class PackedLoader:
         return out
 
     def _start(self) -> None:
+        _PREFETCHING.add(self)
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
         self._thread = threading.Thread(target=self._produce, args=(self._sample, self._stop, self._queue),

@@ -79,12 +79,15 @@ def apply_fsdp(
     reshard_after_forward: bool,
     shard_placement_fn=None,
     offload_policy: OffloadPolicy | None = None,
+    kept: int = 1,
 ) -> list[nn.Module]:
     """`fully_shard` each unit then the root over `mesh` (1D FSDP or 2D HSDP); return the FSDP modules.
 
-    The last unit is never resharded after forward: backward needs it first, so resharding would
-    only add an all-gather. `shard_placement_fn` picks a parameter's shard dim (FSDP2's default is 0).
-    `offload_policy` places the shards in host memory (`meshkit.data_parallel.offload`).
+    The last `kept` units are never resharded after forward: backward needs them first (the last
+    one at once, the one before as soon as the last one's backward starts, when FSDP's backward
+    prefetch would gather it again anyway), so resharding them would only add all-gathers.
+    `shard_placement_fn` picks a parameter's shard dim (FSDP2's default is 0). `offload_policy`
+    places the shards in host memory (`meshkit.data_parallel.offload`).
     """
     # FSDP2 warns on every forward that a unit returned a view (TP's to_local makes one), because an
     # in-place op on it would skip the pre-backward hook. meshkit's stages never modify unit outputs
@@ -94,7 +97,7 @@ def apply_fsdp(
     placement = dict(shard_placement_fn=shard_placement_fn, offload_policy=offload_policy or OffloadPolicy())
     wrapped = []
     for i, unit in enumerate(units):
-        last = i == len(units) - 1
+        last = i >= len(units) - kept
         module = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
                              **placement)
         wrapped.append(module)
@@ -122,7 +125,10 @@ def apply_fsdp_to_stages(
     leaves), then per stage the embedding, each block, `[norm, lm_head]` and the stage as root.
 
     A tied weight lives in both the embedding and the head and can belong to one unit only, so with
-    tying (`tied`) both stay in the root unit.
+    tying (`tied`) both stay in the root unit. The last block of a stage ending in `[norm, lm_head]`
+    stays gathered after forward like that unit: the head's backward is what comes next, and FSDP
+    prefetches the block's all-gather at its start, so freeing it in between would save no peak
+    memory and cost one all-gather per step (torchtitan keeps it too).
     """
     policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
                   offload_policy=offload_policy)
@@ -133,7 +139,8 @@ def apply_fsdp_to_stages(
     for stage in stages:
         edges = [stage.embed] if stage.embed is not None and not tied else []
         tail = [[stage.norm, stage.lm_head]] if stage.lm_head is not None and not tied else []
-        apply_fsdp(edges + list(stage.layers.values()) + tail, stage, mesh, **policy)
+        blocks = list(stage.layers.values())
+        apply_fsdp(edges + blocks + tail, stage, mesh, kept=2 if tail and blocks else 1, **policy)
 
 
 def skip_embedding_regather(stages: Iterable[nn.Module]) -> None:

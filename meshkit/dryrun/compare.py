@@ -7,9 +7,9 @@ run's parts: model state onto parameters, gradients and optimizer; held activati
 activations; the FSDP buffers (gathered units, unreduced gradients) onto fsdp_buffers; the transient
 (loss backward or a block's recompute and gradient buffers) onto temporaries.
 
-Collectives are compared per axis and kind in `CommCounter`'s unit, leaving out calls of a single
-scalar (at most 8 bytes: the loss and its token count, gradient-norm partials, the input checks'
-failure flag), which the estimator does not model; a group that is several axes at once (ep = dp_shard
+Collectives are compared per axis and kind in `CommCounter`'s unit, leaving out calls of one or two
+scalars (at most 16 bytes: the loss and its token count, gradient-norm partials, a checked step's
+failure flag riding with its token count in one int64 pair), which the estimator does not model; a group that is several axes at once (ep = dp_shard
 x cp makes the expert group FSDP's) is reported under one name on both sides.
 """
 
@@ -26,8 +26,8 @@ from meshkit.estimate.peak import rank_memory
 from meshkit.estimate.spec import DEVICES, Workload
 from meshkit.plan import Plan
 
-#: Calls of at most this many bytes (one scalar) are not compared.
-SCALAR_BYTES = 8
+#: Calls of at most this many bytes (a scalar, or the checked step's [flag, token count]) are not compared.
+SCALAR_BYTES = 16
 
 
 @dataclass(frozen=True)

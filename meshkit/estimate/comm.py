@@ -98,8 +98,10 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     A tied weight lives in FSDP's root unit with the final norm (FSDP2 never reshards the root), so
     without pipelining it counts as part of the head unit. The embedding unit is gathered first and
     never again (its backward reads only the token ids); the head unit is the last and is never
-    resharded after forward. Under a V the first and last stage share pp rank 0: a tied embedding is
-    two units there (the embedding, and the head's copy, which its backward does read).
+    resharded after forward (the tied root is), nor is each stage's last block (`data_parallel.fsdp`:
+    backward needs it next), counted against the kind of the model's last block. Under a V the first and last stage
+    share pp rank 0: a tied embedding is two units there (the embedding, and the head's copy, which
+    its backward does read).
     """
     units, grads = state.unit_elements, state.grad_unit_elements
     fsdp, reshard = plan.dp_shard * plan.cp, plan.fsdp_reshard
@@ -110,13 +112,14 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
         grads = {**grads, "embed": 0, "head": grads["embed"] + grads["head"]}
     ends = stage_ranks(plan)
     copies = 2 if tied and plan.pp > 1 and ends[0] == ends[-1] else 1
-    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block"). The
-    # stage's last unit is never resharded after forward: [norm, lm_head], or with the tied weight in
-    # the root (which is resharded, found by the dry run) the last block.
+    # A stack mixing dense and MoE blocks has a unit of each kind ("dense block", "MoE block"). Each
+    # stage's last block is never resharded after forward (`data_parallel.fsdp`: backward needs it
+    # next, after [norm, lm_head] or the tied root, which is resharded, found by the dry run).
     mixed, last_kind = len(set(moe.block_kinds(config))) > 1, moe.block_kinds(config)[-1]
+    stages = plan.pp_stages_per_rank if plan.pp > 1 else 1
     blocks = []
     for b in state.block_units:
-        kept = int(bool(root) and reshard and b.kind == last_kind and units["head"] > 0)
+        kept = min(stages, b.count) if reshard and b.kind == last_kind else 0
         name = _BLOCK_NAMES[b.kind] if mixed else "block"
         blocks += [FsdpUnit(name, n, b.block, fsdp, "dp_shard_cp", again, b.block_grad, b.float8)
                    for n, again in ((b.count - kept, reshard), (kept, False)) if n]
@@ -152,6 +155,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     reduce-scatter under full AC (non-reentrant checkpoint stops once the last saved tensor is back,
     before the MLP's reduce-scatter). Pipeline messages are the busiest pipeline rank's, or `pp_rank`'s.
     """
+    plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     heads, kv, d = roles.kernel_dims(config)  # what CP moves (MLA: padded to one head dim)
     h, act = config.hidden_size, dtype_bytes(plan.param_dtype)
     m, mbs, seq = workload.microbatches, workload.mbs, workload.seq // plan.cp

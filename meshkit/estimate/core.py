@@ -205,7 +205,7 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
     """Memory, FLOPs, communication and step time of one plan. pp/cp/ep degrees meshkit does not run
     yet are estimated all the same; `plan_search` marks them."""
     device = DEVICES[device] if isinstance(device, str) else device
-    plan = plan.resolve(world)
+    plan = plan.resolve(world).resolve_cp(config)  # the CP kind parallelize would run ("auto": choose_cp)
     if plan.world_size != world:
         raise ValueError(f"the plan needs {plan.world_size} ranks, not world={world}")
     spec = moe.model_experts(config)

@@ -121,6 +121,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
     at once (the pipeline simulator's peak for that rank; 1 without pipelining); its shards are those
     of `tp_rank` and `fsdp_rank` (uneven splits differ by a row per tensor)."""
+    plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     state = model_state(config, plan, pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
     kw = dict(batch=workload.mbs, seq=seq, tp=plan.tp, dtype=plan.param_dtype)
@@ -217,9 +218,9 @@ def _fsdp_gathered(config: Any, plan: Plan, state: ModelState) -> tuple[int, int
     """(bytes FSDP keeps gathered when the last forward ends, bytes gathered or in flight while a block's
     backward runs), compute-dtype parameters and that block's unreduced gradient.
 
-    ZeRO-3 without pipelining reshards every unit after its forward but the stage's last one (the
-    [norm, lm_head] unit; with tied embeddings, which live in the root unit FSDP reshards, the last
-    block), and in backward gathers a block while prefetching the next, beside the block's gradient in
+    ZeRO-3 without pipelining reshards every unit after its forward but the stage's last block and
+    the [norm, lm_head] unit after it (`data_parallel.fsdp`; with tied embeddings, which live in the
+    root unit FSDP reshards, the last block alone), and in backward gathers a block while prefetching the next, beside the block's gradient in
     the compute dtype and its reduce-scatter input in the reduce dtype. ZeRO-1/2 and pipelining keep
     every unit gathered.
     """
@@ -233,8 +234,9 @@ def _fsdp_gathered(config: Any, plan: Plan, state: ModelState) -> tuple[int, int
         return everything, everything + block * act
     tied = getattr(config, "tie_word_embeddings", False)
     head_last = units["head"] and not tied
-    last = units["head"] if head_last else (state.block_units[-1].block if state.block_units else units["head"])
-    last_float8 = 0 if head_last or not state.block_units else state.block_units[-1].float8
+    tail = state.block_units[-1] if state.block_units else None
+    last = (units["head"] if head_last or tail is None else 0) + (tail.block if tail is not None else 0)
+    last_float8 = tail.float8 if tail is not None else 0
     unit = max(units.values())
     unit_float8 = max((u.float8 for u in state.block_units if u.block == unit), default=0)
     return gathered_bytes(plan, last, last_float8), 2 * gathered_bytes(plan, unit, unit_float8) + unit * (act + red)

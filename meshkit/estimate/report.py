@@ -48,8 +48,7 @@ def render(e: Estimate, check_flops: bool = True) -> str:
     L.append(f"plan: {p.describe()} on {p.world_size} x {e.device.name} | AC {p.activation_checkpointing}, "
              f"{p.param_dtype} compute / {p.reduce_dtype} reduce, SP {'on' if p.sequence_parallel else 'off'}, "
              f"loss_parallel {'on' if p.loss_parallel else 'off'}" +
-             (f", {p.pp_schedule} x{p.pp_virtual_stages} with {p.microbatches} microbatches" if p.pp > 1 else "") +
-             (f", cp_attention {getattr(p, 'cp_attention', 'zigzag')}" if p.cp > 1 else ""))
+             (f", {p.pp_schedule} x{p.pp_virtual_stages} with {p.microbatches} microbatches" if p.pp > 1 else ""))
     L.append(f"step: seq {w.seq}, mbs {w.mbs}, {w.microbatches} microbatch(es) per dp rank -> "
              f"{e.tokens_per_step:,} tokens per step (dp={p.dp})")
     s = mem.state

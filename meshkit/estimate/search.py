@@ -113,12 +113,15 @@ def family(plan: Plan) -> str:
     return "+".join(parts) or "single"
 
 
-def cp_kinds(plan: Plan) -> tuple[str, ...]:
-    """The CP kinds the search weighs against each other for a layout: the zig-zag ring (K/V never
-    held whole, transfers overlapped step by step) and the all-gather (fewer bytes and calls, the
-    whole sequence's K/V held per layer). Ulysses needs head counts a layout may not have and is
-    left to the user."""
-    return ("zigzag", "allgather") if plan.cp > 1 else (plan.cp_attention,)
+def cp_kinds(plan: Plan) -> tuple[tuple[str, bool | None], ...]:
+    """The CP kinds, with keep-K/V, the search weighs against each other for a layout: the zig-zag
+    ring keeping K/V (the byte minimum, transfers overlapped, (cp-1) K/V shards per layer held under
+    AC none), the same without keeping them (K/V sent again in backward, no shard held) and the
+    all-gather (the minimum's bytes in fewer calls, the whole sequence's K/V held per layer).
+    Ulysses needs head counts a layout may not have and is left to the user."""
+    if plan.cp == 1:
+        return ((plan.cp_attention, plan.cp_keep_kv),)
+    return (("zigzag", True), ("zigzag", False), ("allgather", False))
 
 
 def _powers(limit: int) -> list[int]:
@@ -205,7 +208,7 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                 for ac in AC_ORDER:
                     options, errors, kinds = [], 0, cp_kinds(scheduled)
                     on_device_fits = False
-                    for kind in kinds:
+                    for kind, keep_kv in kinds:
                         offloaded, on_device = [], {}
                         host_tight = False  # a host-offload plan needed more host memory than there is
                         for zero, grad_sync, offload, moved in memory_options(scheduled, workload):
@@ -215,8 +218,8 @@ def search(config: Any, world: int, seq: int, global_batch_tokens: int, device: 
                                     (offload == "nvme" and not host_tight):
                                 continue  # offloading cannot fit it, or the host holds the state anyway
                             plan = dataclasses.replace(scheduled, activation_checkpointing=ac, cp_attention=kind,
-                                                       zero=zero, grad_sync=grad_sync, offload=offload,
-                                                       offload_dir=NVME_DIR if offload == "nvme" else None,
+                                                       cp_keep_kv=keep_kv, zero=zero, grad_sync=grad_sync,
+                                                       offload=offload, offload_dir=NVME_DIR if offload == "nvme" else None,
                                                        activation_offload=moved)
                             try:
                                 e = estimate(config, plan, world, workload, device)

@@ -19,7 +19,7 @@ from meshkit.context_parallel import sharding as cp_sharding
 from meshkit.mesh import axis
 from meshkit.plan import Plan
 from meshkit.step import loss as loss_lib
-from meshkit.step.consensus import raise_if_any
+from meshkit.step.consensus import sum_unless_any
 
 
 class LocalBatch(NamedTuple):
@@ -35,18 +35,26 @@ class LocalBatch(NamedTuple):
 def prepare(input_ids, labels, position_ids, *, plan: Plan, mesh: DeviceMesh, config: Any, device: torch.device,
             check: bool = True) -> LocalBatch:
     """Check (unless `check` is False), shift once on the full sequence, count globally, then cut
-    this rank's context shard. Collective over the data ranks (the count) and, when checking, over
-    the world and the ranks that must share a batch."""
+    this rank's context shard. Collective: the count over the data ranks; when checking, the verdict
+    and the count in one world all-reduce, after the peers' batch comparison."""
+    problem = None
     if check:
         problem = input_problem(input_ids, labels, position_ids, plan, config)
         # Every rank joins the same collectives whatever it found locally, or the peers hang.
         if plan.pp * plan.tp * plan.cp > 1:
             disagreement = peer_agreement_problem(input_ids if problem is None else None, mesh, device)
             problem = problem or disagreement
-        raise_if_any(problem, device=device)
-    input_ids = input_ids.to(device)
-    targets = loss_lib.shift_labels(labels.to(device))
-    valid = loss_lib.global_valid_tokens(targets, axis(mesh, "dp").get_group())
+    if problem is None:
+        input_ids = input_ids.to(device)
+        targets = loss_lib.shift_labels(labels.to(device))
+    if check:
+        # The pp/cp/tp peers of a data rank hold its batch (compared above): the world's sum counts
+        # each data rank's tokens pp*cp*tp times.
+        count = torch.zeros(1, dtype=torch.int64, device=device) if problem else \
+            loss_lib.local_valid_tokens(targets).view(1)
+        valid = int(sum_unless_any(problem, count).item()) // (plan.pp * plan.cp * plan.tp)
+    else:
+        valid = loss_lib.global_valid_tokens(targets, axis(mesh, "dp").get_group())
     batch, seq = input_ids.shape
     doc_ids = None
     if position_ids is None:

@@ -40,6 +40,25 @@ def gather_problems(problem: str | None, group: dist.ProcessGroup | None = None,
     return [(rank, msg) for rank, msg in enumerate(messages) if msg]
 
 
+def sum_unless_any(problem: str | None, values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`values` (int64, this rank's) summed over `group`, or ValueError on every rank if any rank has a
+    `problem`: `raise_if_any` and a sum in ONE all-reduce (the flag rides with the values), so a
+    checked step pays one scalar collective for both. A rank with a problem contributes zeros."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if problem:
+            raise ValueError(problem)
+        return values
+    both = torch.cat([values.new_tensor([1 if problem else 0]), values if problem is None else torch.zeros_like(values)])
+    dist.all_reduce(both, group=group)
+    if not both[0].item():
+        return both[1:]
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, problem, group=group)
+    failing = [(rank, msg) for rank, msg in enumerate(messages) if msg]
+    lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failing)
+    raise ValueError(f"{len(failing)} of {len(messages)} ranks rejected their input:\n{lines}")
+
+
 def disagreement(values: list[int], group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu") -> bool:
     """Whether the ranks of `group` hold different integer vectors (one MAX all-reduce of [v, -v]).

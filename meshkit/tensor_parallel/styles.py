@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -179,8 +181,28 @@ def place_grads_like_params(params: list[nn.Parameter]) -> None:
     redistributes both inside its reduce-scatter; without FSDP nothing would, and optimizers and norms
     would read one rank's share or hold full-size gradients. Done after backward rather than in
     gradient hooks, which `to_empty` (meta-device materialisation) would drop with the old tensors.
+    The Partial sums of replicated parameters (every norm under SP: 2 per block) share one flat
+    all-reduce per mesh and dtype instead of one redistribute each.
     """
+    summed: dict[tuple, list[nn.Parameter]] = {}
     for param in params:
         grad = param.grad
-        if grad is not None and tuple(grad.placements) != tuple(param.placements):
+        if grad is None or tuple(grad.placements) == tuple(param.placements):
+            continue
+        if _sums_to_replicate(grad, param):
+            summed.setdefault((grad.device_mesh, grad.dtype, grad.device), []).append(param)
+        else:
             param.grad = grad.redistribute(placements=param.placements)
+    for (mesh, _, _), group in summed.items():
+        locals_ = [p.grad.to_local() for p in group]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for p, t, chunk in zip(group, locals_, flat.split([t.numel() for t in locals_]), strict=True):
+            p.grad = DTensor.from_local(chunk.view_as(t), mesh, p.placements, run_check=False)
+
+
+def _sums_to_replicate(grad: DTensor, param: nn.Parameter) -> bool:
+    """A Partial(sum) gradient of a Replicate parameter on a 1D mesh: its placement is one all-reduce."""
+    return (grad.device_mesh.ndim == 1 and isinstance(param, DTensor) and param.device_mesh == grad.device_mesh
+            and tuple(param.placements) == (Replicate(),) and isinstance(grad.placements[0], Partial)
+            and grad.placements[0].reduce_op == "sum")

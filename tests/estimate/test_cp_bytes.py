@@ -29,8 +29,8 @@ from meshkit.testing.families import family_spec
 MODEL = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, vocab_size=96)
 KINDS = {  # cp_attention and its degrees, on 4 ranks
-    "ring": "cp=2,dp_shard=2,cp_attention=ring",
-    "zigzag": "cp=2,dp_shard=2,cp_attention=zigzag",
+    "ring": "cp=2,dp_shard=2,cp_attention=ring,cp_keep_kv=false",
+    "zigzag": "cp=2,dp_shard=2,cp_attention=zigzag,cp_keep_kv=false",
     "allgather": "cp=2,dp_shard=2,cp_attention=allgather",
     "ulysses": "cp=2,dp_shard=2,cp_attention=ulysses",
     "usp": "cp=4,cp_attention=usp,cp_ulysses=2",
@@ -45,6 +45,8 @@ PLANS = {f"{k}/{d}": f"{KINDS[k]},{DTYPES[d]}" for k in KINDS for d in DTYPES}
 # cp_keep_kv: the ring kinds keep forward's K/V for backward (no K/V resent, dK/dV straight to the owner)
 PLANS.update({f"{k}_keep/{d}": f"{KINDS[k]},cp_keep_kv=true,{DTYPES[d]}" for k in ("ring", "zigzag")
               for d in (("fp32", "bf16_reduce_fp32") if k == "zigzag" else ("fp32",))})
+# the kind and keep-K/V left open: chosen for the model (`context_parallel.rules.choose_cp`)
+PLANS.update({f"auto/{d}": f"cp=2,dp_shard=2,{DTYPES[d]}" for d in ("fp32", "bf16_reduce_fp32")})
 BATCH, SEQ = 2, 16
 
 
@@ -158,9 +160,10 @@ def test_cp_gradient_bytes_follow_the_reduce_dtype(counted) -> None:
 
 
 def test_plan_search_picks_the_cp_kind_the_numbers_favour() -> None:
-    """The search estimates both the zig-zag ring and the all-gather kind for every cp layout and
-    keeps the faster that fits; which one depends on the plan (sequence, degrees, links), so both are
-    chosen here, and each choice is the estimator's own argmin. Four layouts keep the search short."""
+    """The search estimates the zig-zag ring with and without kept K/V and the all-gather kind for every
+    cp layout and keeps the faster that fits; which one depends on the plan (sequence, degrees, links),
+    so more than one is chosen here, and each choice is the estimator's own argmin. Four layouts keep
+    the search short."""
     config = est.load_config("llama3-8b")
     layouts = [Plan(cp=16), Plan(cp=8, tp=2), Plan(cp=4, tp=4), Plan(cp=2, dp_shard=8)]
     chosen = set()
@@ -169,13 +172,28 @@ def test_plan_search_picks_the_cp_kind_the_numbers_favour() -> None:
             result = plan_search.search(config, 16, seq, 16 * seq, "h100", top=100)
         assert len(result.plans) > 4, seq
         for cand in result.plans:
-            other = "zigzag" if cand.plan.cp_attention == "allgather" else "allgather"
-            alt = est.estimate(config, dataclasses.replace(cand.plan, cp_attention=other), 16, cand.workload,
-                               est.DEVICES["h100"])
-            assert (cand.estimate.step_time, cand.estimate.peak_bytes) <= (alt.step_time, alt.peak_bytes) or \
-                alt.peak_bytes > plan_search.budget(est.DEVICES["h100"]), cand.describe()
-            chosen.add(cand.plan.cp_attention)
-    assert chosen == {"zigzag", "allgather"}
+            mine = (cand.plan.cp_attention, cand.plan.cp_keep_kv)
+            assert mine in plan_search.cp_kinds(cand.plan), cand.describe()
+            for kind, keep in plan_search.cp_kinds(cand.plan):
+                alt = est.estimate(config, dataclasses.replace(cand.plan, cp_attention=kind, cp_keep_kv=keep), 16,
+                                   cand.workload, est.DEVICES["h100"])
+                assert (cand.estimate.step_time, cand.estimate.peak_bytes) <= (alt.step_time, alt.peak_bytes) or \
+                    alt.peak_bytes > plan_search.budget(est.DEVICES["h100"]), (cand.describe(), kind, keep)
+            chosen.add(mine)
+    assert ("zigzag", True) in chosen and len(chosen) > 1, chosen
+
+
+def test_the_default_moves_the_fewest_cp_bytes(counted) -> None:
+    """Counted, not estimated: with the kind and keep-K/V left open, the cp=2 run sends no more bytes
+    on the cp axis than any kind set explicitly (here the kept-K/V zig-zag ring: GQA, short sequences)."""
+    for dtype in ("fp32", "bf16_reduce_fp32"):
+        cp_bytes = {k.split("/")[0]: sum(v for key, v in by_kind.items() if key.endswith("@2"))
+                    for k, by_kind in counted[0].items() if k.endswith(f"/{dtype}") and "usp" not in k}
+        others = {k: v for k, v in cp_bytes.items() if k != "auto"}
+        assert len(others) >= 4, others
+        assert cp_bytes["auto"] == min(others.values()), (dtype, cp_bytes)
+    fp32 = counted[0]
+    assert fp32["auto/fp32"]["send@2"] * 2 == fp32["zigzag/fp32"]["send@2"]  # the old default sent twice as much
 
 
 def test_kept_kv_halves_the_ring_bytes_at_cp2(counted) -> None:

@@ -1,5 +1,6 @@
 """FSDP moves no more than a hand-written `fully_shard` layout of the same model: the embedding unit
-is not all-gathered again for backward (its gradient needs only the token ids). That the gradients
+is not all-gathered again for backward (its gradient needs only the token ids), nor is the last block
+(backward needs it right after the head). That the gradients
 stay the single-device model's is checked by every FSDP property test (tests/parallel)."""
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _fsdp_bytes_on_rank(ac: str) -> dict:
     with CommCounter(mesh) as theirs:
         model(input_ids=ids, labels=ids).loss.backward()
     embed_numel = MODEL["vocab_size"] * MODEL["hidden_size"]
-    return dict(ours=_bytes(ours), theirs=_bytes(theirs), embed_bytes=embed_numel * 4)
+    block_numel = sum(p.numel() for p in _model().model.layers[-1].parameters())
+    return dict(ours=_bytes(ours), theirs=_bytes(theirs), embed_bytes=embed_numel * 4, block_bytes=block_numel * 4)
 
 
-def test_embedding_is_not_gathered_again_for_backward(dist):
+def test_embedding_and_last_block_are_not_gathered_again_for_backward(dist):
     for ac in ("none", "full"):
         for rank, r in enumerate(dist(2).run(_fsdp_bytes_on_rank, ac)):
             ours, theirs = r["ours"], r["theirs"]
-            # gathers: the hand-written layout's minus exactly one embedding (its backward re-gather)
-            assert ours["all_gather"] == theirs["all_gather"] - r["embed_bytes"], (ac, rank, ours, theirs)
+            # gathers: the hand-written layout's minus exactly one embedding and one block (their backward re-gathers)
+            assert ours["all_gather"] == theirs["all_gather"] - r["embed_bytes"] - r["block_bytes"], \
+                (ac, rank, ours, theirs)
             assert ours["reduce_scatter"] == theirs["reduce_scatter"], (ac, rank, ours, theirs)
