@@ -18,21 +18,18 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
-import meshkit
 from meshkit._compat.dcp import chunk_at, file_storage_info
 from meshkit._compat.dispatch import fake_tensor_mode
 from meshkit._compat.fake import is_fake_world, join_fake_world
-from meshkit.dryrun.rank import mesh_coords
+from meshkit.dryrun.rank import mesh_coords, parallelize_on_meta
 from meshkit.dryrun.roles import global_rank
 from meshkit.dryrun.values import HostValues
 from meshkit.dryrun.world import in_processes
@@ -82,12 +79,7 @@ def _stage_plan(config: Any, plan: Plan, world: int, rank: int) -> _StagePlan:
     """In a process of its own: meshkit's state dict for `rank` on fake tensors, and DCP's local plan."""
     join_fake_world(world, rank)
     try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pm = meshkit.parallelize(model, plan)
+        pm = parallelize_on_meta(config, plan)
         with fake_tensor_mode(), HostValues():
             pm.materialise()
             optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)

@@ -62,12 +62,7 @@ def run_rank(config: Any, plan: Plan, world: int, workload: Workload, rank: int,
     start, cpu = time.perf_counter(), time.process_time()
     join_fake_world(world, rank)
     try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # offload on a CPU run: "saves nothing here"
-            pm = meshkit.parallelize(model, plan)
+        pm = parallelize_on_meta(config, plan)
         with fake_tensor_mode(), HostValues() as values, warnings.catch_warnings():
             # FSDP2 notes, every step, that the embedding unit hands back a view: known, and not the run's
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -79,6 +74,17 @@ def run_rank(config: Any, plan: Plan, world: int, workload: Workload, rank: int,
     finally:
         if is_fake_world():
             dist.destroy_process_group()
+
+
+def parallelize_on_meta(config: Any, plan: Plan) -> meshkit.ParallelModel:
+    """`config`'s model built on the meta device and parallelized as this rank of the fake world: the
+    real mesh and shards, no storage yet (`materialise` under fake tensors gives it shapes)."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # offload on a CPU run: "saves nothing here"
+        return meshkit.parallelize(model, plan)
 
 
 def batches(config: Any, plan: Plan, workload: Workload) -> Batches:
