@@ -159,9 +159,11 @@ def fsdp_gather_bytes(plan: str) -> dict:
 
 def test_fsdp_all_gathers_tensorwise_weights_in_float8(dist):
     r = dist(2).run(fsdp_gather_bytes, "dp_shard=2")[0]
-    # each projection weight gathered in 1 byte instead of 4, in forward and again in backward (ZeRO-3)
+    # each projection weight gathered in 1 byte instead of 4, in forward and again in backward (ZeRO-3),
+    # but the last block's, which FSDP keeps gathered from its forward to its backward
     saved = r["none"] - r["tensorwise"]
-    assert saved == pytest.approx(r["none_float8_params"] * 3 * 2, rel=0.02), r
+    per_block = r["none_float8_params"] // SPEC.layers
+    assert saved == pytest.approx((r["none_float8_params"] * 2 - per_block) * 3, rel=0.02), r
     for recipe in ("none", "tensorwise"):  # the estimator's FSDP all-gathers, byte for byte
         e = estimate(SPEC.config(), meshkit.Plan.from_string(f"dp_shard=2,float8={recipe}"), 2, Workload(seq=16, mbs=2))
         predicted = sum(c.calls * c.buffer for c in e.comm if c.axis == "dp_shard_cp" and c.kind == "all_gather")
