@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import sys
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -304,4 +305,23 @@ def apply_nvme_offload(parts: list[nn.Module], offload_dir: str, device: torch.d
         part._meshkit_nvme_store = store  # the model keeps its store alive; the registry holds it weakly
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
+        _return_freed_state_to_the_os()
     return store
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_freed_state_to_the_os() -> None:
+    """Make glibc give a unit's state back to the OS when its storage is resized to zero. Its mmap
+    threshold otherwise grows to the largest block freed (up to 32 MiB), after which state buffers come
+    from the heap and stay resident: measured on a 32M-parameter model, host memory kept nearly all of
+    AdamW's moments (RssAnon 973 vs 1027 MiB under host offload). A fixed 1 MiB threshold, which also
+    stops the growth, maps each larger buffer on its own (peak growth 203 vs 406 MiB)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
