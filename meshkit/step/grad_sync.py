@@ -30,22 +30,11 @@ def summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGroup | N
     if not params or group is None:
         yield
         return
-    earlier = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
+    with _this_call_only(params):
         yield
         for p in params:
             if p.grad is not None:
                 dist.all_reduce(local_tensor(p.grad), group=group)
-    finally:
-        for p, old in zip(params, earlier):
-            if old is None:
-                continue
-            if p.grad is None:
-                p.grad = old
-            else:
-                local_tensor(p.grad).add_(local_tensor(old))
 
 
 @contextlib.contextmanager
@@ -61,10 +50,7 @@ def copies_summed_per_call(copies: Sequence[nn.Parameter]) -> Iterator[None]:
     if len(copies) < 2:
         yield
         return
-    earlier = [p.grad for p in copies]
-    for p in copies:
-        p.grad = None
-    try:
+    with _this_call_only(copies):
         yield
         grads = [p.grad for p in copies if p.grad is not None]
         if grads:
@@ -75,14 +61,6 @@ def copies_summed_per_call(copies: Sequence[nn.Parameter]) -> Iterator[None]:
                 if p.grad is None:
                     p.grad = grads[0].clone()
                 local_tensor(p.grad).copy_(total)
-    finally:
-        for p, old in zip(copies, earlier):
-            if old is None:
-                continue
-            if p.grad is None:
-                p.grad = old
-            else:
-                local_tensor(p.grad).add_(local_tensor(old))
 
 
 @contextlib.contextmanager
@@ -100,10 +78,7 @@ def mirror_summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGr
     if not params or group is None:
         yield
         return
-    earlier = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
+    with _this_call_only(params):
         yield
         locals_ = [local_tensor(p.grad) if p.grad is not None else None for p in params]
         sizes = [local_tensor(p).numel() for p in params]
@@ -120,14 +95,6 @@ def mirror_summed_per_call(params: Sequence[nn.Parameter], group: dist.ProcessGr
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             local_tensor(p.grad).copy_(piece.view_as(local_tensor(p.grad)))
-    finally:
-        for p, old in zip(params, earlier):
-            if old is None:
-                continue
-            if p.grad is None:
-                p.grad = old
-            else:
-                local_tensor(p.grad).add_(local_tensor(old))
 
 
 def summed_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
@@ -150,3 +117,22 @@ def every_sum_of_a_call(mirror: tuple, tp_summed: tuple, tied: tuple) -> Iterato
     with mirror_summed_per_call(*mirror), summed_per_call(*tp_summed), summed_per_call(tied_params, tied_group), \
             copies_summed_per_call(tied_params if tied_group is None else []):
         yield
+
+
+@contextlib.contextmanager
+def _this_call_only(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Set the earlier accumulated gradients of `params` aside for the call and add them back after it
+    (also when it raises), so that only the call's own contribution is summed."""
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, old in zip(params, earlier):
+            if old is None:
+                continue
+            if p.grad is None:
+                p.grad = old
+            else:
+                local_tensor(p.grad).add_(local_tensor(old))
