@@ -31,7 +31,8 @@ from meshkit.activation_checkpoint import apply_activation_checkpointing
 from meshkit.activation_offload import apply_activation_offload
 from meshkit.context_parallel.hf import ContextParallelAttention
 from meshkit.data_parallel import nvme
-from meshkit.data_parallel.fsdp import apply_data_parallel, needs_fsdp
+from meshkit.data_parallel.fsdp import apply_data_parallel
+from meshkit.data_parallel.rules import shards_with_fsdp
 from meshkit.expert_parallel import MoE, apply_expert_parallel
 from meshkit.float8 import convert as float8
 from meshkit.inference.hf_forward import install_hf_forward
@@ -238,7 +239,7 @@ def _apply_float8(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) -> None:
     """Swap the held blocks' projections for torchao's float8 linears (before TP shards them)."""
     if plan.float8 != "none":
         float8.apply_float8([split.parts.blocks[i] for i in split.held_blocks], split.parts.config,
-                            recipe=plan.float8, tp=plan.tp, fsdp=needs_fsdp(plan, mesh))
+                            recipe=plan.float8, tp=plan.tp, fsdp=shards_with_fsdp(plan))
 
 
 def _apply_float8_scales(stages: dict[int, nn.Module], plan: Plan, use_fsdp: bool) -> None:

@@ -67,7 +67,7 @@ class ParallelModel:
         self._stages = stages
         self._pp = axis(mesh, "pp")
         self._schedules = PlanSchedules(plan) if plan.pp > 1 else None  # zb_auto may rebuild after measuring
-        self._fsdp_roots = zero_stages.fsdp_roots(self.model_parts)
+        self._dp_roots = zero_stages.data_parallel_roots(self.model_parts)
         self._window_open = False  # a forward_backward(last_microbatch=False) awaits its window's last call
         self._fused: FusedOptimizer | None = None  # set by meshkit.fuse_optimizer_into_backward
         self.check_inputs = True
@@ -207,7 +207,7 @@ class ParallelModel:
         self.backward_context_open = True
         try:
             with self._gradient_call(last_microbatch), zero_stages.backward_call(
-                    self._fsdp_roots, self.plan.zero, self.plan.grad_sync, last_microbatch):
+                    self._dp_roots, self.plan.zero, self.plan.grad_sync, last_microbatch):
                 yield
         finally:
             self.backward_context_open = False
@@ -215,7 +215,7 @@ class ParallelModel:
     @property
     def finishes_grads_after_backward(self) -> bool:
         """Whether gradients are final only after meshkit's work past backward (ZeRO-1, TP without FSDP, sums)."""
-        return bool((self.plan.zero == 1 and self._fsdp_roots) or self._reduce_tp_grads
+        return bool(zero_stages.defers_reduction(self._dp_roots, self.plan.zero) or self._reduce_tp_grads
                     or self.sums_grads_after_backward)
 
     @property
@@ -247,7 +247,7 @@ class ParallelModel:
         returns the CE share and HF's router auxiliary term (None without one), weighted by `weight`."""
         (stage,) = self.model_parts
         plan = self.plan
-        with zero_stages.backward_call(self._fsdp_roots, plan.zero, plan.grad_sync, last_microbatch):
+        with zero_stages.backward_call(self._dp_roots, plan.zero, plan.grad_sync, last_microbatch):
             logits = stage(batch.input_ids, batch.position_ids, batch.doc_ids)
             share = loss_lib.summed_cross_entropy(logits, batch.targets) / denominator
             del logits  # vocabulary-wide, alive through backward otherwise (found by the dry run)

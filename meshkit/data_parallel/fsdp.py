@@ -20,23 +20,22 @@ from meshkit import mesh as mesh_lib
 from meshkit._compat.fsdp import fsdp_sum_gradients
 from meshkit.activation_checkpoint import hide_hooks_from_selective_checkpoint
 from meshkit.data_parallel.offload import offload_policy
+from meshkit.data_parallel.replicate import apply_replicate
+from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.local_tensor import local_tensor
 from meshkit.plan import DTYPES, Plan
-
-
-def needs_fsdp(plan: Plan, mesh: DeviceMesh) -> bool:
-    """FSDP is applied when weights are shared by several ranks, to cast them (mixed precision), or to
-    keep them in host memory (offload)."""
-    shared = mesh_lib.axis_size(mesh, "dp_shard_cp") * plan.dp_replicate > 1
-    return shared or plan.param_dtype != "float32" or plan.offload != "none"
 
 
 def apply_data_parallel(stages: dict[int, nn.Module], expert_layers: list[nn.Module], plan: Plan, mesh: DeviceMesh,
                         expert_mesh: DeviceMesh | None, *, tied: bool) -> bool:
     """FSDP2 (or HSDP) units over dp_shard x cp for this rank's stages and MoE experts, when the plan
-    needs FSDP at all; returns whether it did. The ZeRO stage is not chosen here: it is how
-    `zero_stages` drives these same units per `forward_backward` call."""
-    if not needs_fsdp(plan, mesh):
+    needs FSDP at all; returns whether it did. A plan that only replicates gets DDP's all-reduce
+    instead (`data_parallel.replicate`). The ZeRO stage is not chosen here: it is how `zero_stages`
+    drives these same units per `forward_backward` call."""
+    if replicates_with_ddp(plan):
+        apply_replicate(stages.values(), mesh)
+        return False
+    if not shards_with_fsdp(plan):
         return False
     apply_fsdp_to_stages(stages.values(), expert_layers, mesh_lib.fsdp_mesh(mesh), expert_mesh, tied=tied,
                          param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshkit._compat.fsdp import fsdp_after_unit_reduce
+from meshkit.data_parallel.rules import replicates_with_ddp
 
 if TYPE_CHECKING:
     from meshkit.parallel_model import ParallelModel
@@ -153,6 +154,11 @@ def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: Optimizer
         raise ValueError("fuse_optimizer_into_backward: this model has gradients meshkit sums after backward (MoE "
                          "weights every TP rank holds, or a tied embedding split by pipelining), so they are not "
                          "final inside backward; fix: use the optimizer unfused, or tp=1 / untied embeddings")
+    if replicates_with_ddp(pm.plan):
+        raise ValueError(f"fuse_optimizer_into_backward: a plan that only replicates (dp_replicate={pm.plan.dp_replicate}, "
+                         "nothing sharded) runs DDP, whose buckets keep every gradient resident, so stepping inside "
+                         "backward would free nothing; fix: use the optimizer unfused, or shard (dp_shard=N: FSDP "
+                         "frees each unit's gradient shards once stepped)")
     fused = FusedOptimizer({p: optimizer_factory([p]) for p in params})
     units = [m for part in pm.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
     for unit in units:

@@ -29,6 +29,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from meshkit._compat.fsdp import fsdp_post_backward
+from meshkit.data_parallel.replicate import replicated_call, replicated_roots
+
+
+def data_parallel_roots(modules: list[nn.Module]) -> list[nn.Module]:
+    """What `backward_call` drives: the stages `data_parallel.replicate` made data parallel, or else the
+    outermost FSDP2 modules (`fsdp_roots`)."""
+    return replicated_roots(modules) or fsdp_roots(modules)
 
 
 def fsdp_roots(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -47,6 +54,12 @@ def fsdp_roots(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return roots
 
 
+def defers_reduction(roots: list[nn.Module], zero: int) -> bool:
+    """Whether gradients are reduced only after backward ends (ZeRO-1 over FSDP units; DDP's replicas
+    finish their reduction inside backward, whatever the zero stage says)."""
+    return zero == 1 and any(isinstance(root, FSDPModule) for root in roots)
+
+
 def syncs_now(grad_sync: str, last_microbatch: bool) -> bool:
     """Whether this call's gradients cross ranks: every call, or only the accumulation window's last."""
     return grad_sync == "every_microbatch" or last_microbatch
@@ -61,11 +74,18 @@ def reshards_now(zero: int, last_microbatch: bool) -> bool:
 @contextlib.contextmanager
 def backward_call(roots: list[nn.Module], zero: int, grad_sync: str, last_microbatch: bool) -> Iterator[None]:
     """Around one forward and backward (no pipelining): set FSDP2's flags for the stage and the policy,
-    and under ZeRO-1 reduce-scatter the full accumulated gradients after backward when this call syncs."""
+    and under ZeRO-1 reduce-scatter the full accumulated gradients after backward when this call syncs.
+    Replicated stages (`data_parallel.replicate`) reduce at the window's last call, whatever the zero
+    stage and `grad_sync` say: with nothing sharded, reducing earlier calls would free nothing."""
+    replicas = replicated_roots(roots)
+    if replicas:
+        with replicated_call(replicas, last_microbatch):
+            yield
+        return
+    sync, reshard = syncs_now(grad_sync, last_microbatch), reshards_now(zero, last_microbatch)
     if not roots:
         yield
         return
-    sync, reshard = syncs_now(grad_sync, last_microbatch), reshards_now(zero, last_microbatch)
     for root in roots:
         # ZeRO-1 defers every reduction past backward: FSDP accumulates unsharded gradients meanwhile.
         root.set_requires_gradient_sync(sync and zero >= 2)

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshkit.data_parallel.replicate import BUCKET_MB
+from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import moe
 from meshkit.estimate.memory import stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
@@ -174,8 +176,7 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
     experts = moe.model_experts(config)
     kind_blocks = {b.kind: b.count for b in state.block_units}
     moe_blocks, dense_blocks = kind_blocks.get("moe", 0), kind_blocks.get("dense", 0)
-    fsdp_applied = plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32" or \
-        plan.offload != "none"
+    fsdp_applied = shards_with_fsdp(plan)
     # Sums meshkit issues on gradient shards (MoE weights over tp, tied copies over pp) run per call,
     # on what FSDP reduced: once per window when gradients sync only on the window's last call.
     shard_sums = 1 if fsdp_applied and plan.grad_sync == "last_microbatch" else workload.calls(plan)
@@ -235,7 +236,13 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 add("tp", "all_gather", "logits to the full vocabulary", m, mbs * seq * config.vocab_size * act, t, None)
 
     fsdp, rep = plan.dp_shard * plan.cp, plan.dp_replicate
-    if fsdp > 1 or rep > 1:
+    if replicates_with_ddp(plan):  # `data_parallel.replicate`: every fp32 gradient summed in DDP's buckets,
+        # once per window whatever grad_sync says (nothing sharded: an earlier reduction frees nothing)
+        grads = state.held_trainable * 4
+        buckets = max(1, math.ceil(grads / (BUCKET_MB * 2**20)))
+        add("dp_replicate", "all_reduce", f"DDP: gradients in {BUCKET_MB:g} MB buckets", buckets,
+            grads / buckets, rep, 2 * t_block_fwd + t_block_rec)
+    elif fsdp > 1 or rep > 1:
         calls = workload.calls(plan)  # forward_backward calls (PP keeps units gathered across its microbatches)
         gathers = calls if plan.zero == 3 else 1  # ZeRO-1/2 keep the gathered units through the window
         syncs = calls if plan.grad_sync == "every_microbatch" else 1

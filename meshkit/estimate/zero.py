@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshkit.data_parallel.rules import shards_with_fsdp
 from meshkit.estimate.spec import ModelState, dtype_bytes
 from meshkit.plan import Plan
 
@@ -93,8 +94,7 @@ def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: boo
     DTensor of the whole vocabulary, which FSDP2 replicates before accumulating it, so the rank
     holding the embedding keeps vocab x hidden elements of it, not vocab / tp x hidden.
     """
-    sharded = plan.dp_shard * plan.cp * plan.dp_replicate > 1 or plan.param_dtype != "float32" or \
-        plan.offload != "none"
+    sharded = shards_with_fsdp(plan)
     red = dtype_bytes(plan.reduce_dtype)
     gathered = gathered_bytes(plan, gathered_elements(state), state.float8_elements) \
         if sharded and plan.zero < 3 else 0

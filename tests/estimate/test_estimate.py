@@ -229,6 +229,8 @@ MESH_PLANS["tp_replicated_kv"] = "tp=2,dp_shard=2"
 # Multi-head latent attention under tp with SP and selective AC: the latent layers run whole on the
 # gathered sequence (their saved tensors full length) and their partial gradients are all-reduced.
 MESH_PLANS["tp_latent_attention"] = "tp=2,dp_shard=2,activation_checkpointing=selective"
+# Only replicas: DDP's bucketed all-reduce (`data_parallel.replicate`), gradients resident in its buckets.
+MESH_PLANS["replicate_only"] = "dp_replicate=4"
 MESH_MODELS = {key: MESH_MODEL for key in MESH_PLANS} | {"tp_latent_attention": MLA_MODEL} | {
     key: MESH_MODEL | dict(tie_word_embeddings=True)
     for key in ("pp_tied_fsdp", "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp")} | {
@@ -246,7 +248,7 @@ def mesh_runs(dist) -> dict[str, list[dict]]:
             for key, plan in MESH_PLANS.items()}
 
 
-@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp",
+@pytest.mark.parametrize("key", ["none", "hsdp_no_sp_bf16", "replicate_only", "cp_zigzag_selective", "pp_interleaved_fsdp", "pp_tied_fsdp",
                                  "pp_zb_v_tied_fsdp", "pp_dualpipe_tied_fsdp", "tp_replicated_kv",
                                  "tp_latent_attention"])
 def test_model_state_exact_on_mesh(mesh_runs, key: str) -> None:

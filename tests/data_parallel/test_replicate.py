@@ -1,0 +1,63 @@
+"""Plans that only replicate (`dp_replicate` alone, fp32, no offload) run DDP's bucketed all-reduce instead
+of FSDP2 units: against the single-device model over accumulation windows under both `grad_sync`
+policies (a call that starts with accumulated gradients must not reduce them twice), what runs (DDP on
+plain tensors here; FSDP as soon as anything is sharded or cast), and the fused step's refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+import meshkit
+from meshkit.data_parallel.rules import replicates_with_ddp
+from meshkit.testing.reference import ModelSpec
+from tests.data_parallel.windows import assert_windows_match, train_windows
+
+CASES = [
+    ("dp_replicate=2,grad_sync=every_microbatch", ModelSpec(), 3),
+    ("dp_replicate=2,grad_sync=last_microbatch,activation_checkpointing=full", ModelSpec(tied=True), 2),
+    ("dp_replicate=2,zero=1", ModelSpec(experts=4, intermediate=16), 2),
+]
+
+
+@pytest.mark.parametrize("plan, spec, calls", CASES, ids=[c[0] for c in CASES])
+def test_replicate_only_matches_single_device(dist, plan, spec, calls):
+    assert_windows_match(dist(2).run(train_windows, plan, spec, calls), plan)
+
+
+def _layout(plan: str) -> dict:
+    pm = meshkit.parallelize(ModelSpec().build(), meshkit.Plan.from_string(plan))
+    return {"fsdp": any(isinstance(m, FSDPModule) for part in pm.model_parts for m in part.modules()),
+            "plain": all(type(p) is torch.nn.Parameter for p in pm.parameters())}
+
+
+@pytest.mark.parametrize("plan, ddp", [
+    ("dp_replicate=2", True),
+    ("dp_replicate=2,param_dtype=bfloat16", False),  # FSDP casts
+    ("dp_replicate=2,offload=optimizer", False),  # FSDP keeps the state in host memory
+])
+def test_ddp_only_where_nothing_is_sharded_or_cast(dist, plan, ddp):
+    assert replicates_with_ddp(meshkit.Plan.from_string(plan).resolve(2)) is ddp
+    for layout in dist(2).run(_layout, plan):
+        assert layout == {"fsdp": not ddp, "plain": ddp}, plan
+
+
+def test_replicate_rule_needs_every_other_axis_at_one():
+    for plan in ("dp_replicate=2,dp_shard=2", "dp_replicate=2,tp=2", "dp_replicate=2,cp=2", "dp_replicate=2,pp=2",
+                 "dp_replicate=2,reduce_dtype=bfloat16", "dp_shard=2"):
+        assert not replicates_with_ddp(meshkit.Plan.from_string(plan).resolve(4 if "=2," in plan else 2)), plan
+
+
+def _fuse() -> str:
+    pm = meshkit.parallelize(ModelSpec().build(), meshkit.Plan.from_string("dp_replicate=2"))
+    try:
+        meshkit.fuse_optimizer_into_backward(pm, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_fused_step_refused_under_ddp(dist):
+    for message in dist(2).run(_fuse):
+        assert "dp_replicate=2" in message and "fix:" in message
