@@ -176,11 +176,16 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     specs = param_specs(config)[0] if split else ()
     deferred = {k: deferred_bytes(config, plan, workload, specs, k) for k in per_kind} if split else {}
     weights = {k: largest_weight(plan, specs, k) for k in per_kind} if split else {}
+    # A stage's output ([mbs, s/cp, h], this rank's s/tp under SP) stays in the runtime's outputs until
+    # the microbatch's backward is called on it; no block saves it (measured by the dry run: one
+    # residual-stream tensor per in-flight microbatch on every stage but the last).
+    sp = plan.tp if (plan.tp > 1 and plan.sequence_parallel) else 1
+    output = workload.mbs * (workload.seq // plan.cp) // sp * config.hidden_size * dtype_bytes(plan.param_dtype)
     out = {}
     for stage, kinds in zip(stages_of_rank(pp_rank, placement), stage_kinds(config, plan)[pp_rank]):
         last = stage == last_stage
         activations = sum(n * sum(per_kind[k].values()) for k, n in kinds.items()) + shared + \
-            (sum(head.values()) if last else 0)
+            (sum(head.values()) if last else output)
         transient = loss if last else recompute
         if not split:
             out[stage] = StageBytes(activations, transient=transient, last=last)
