@@ -124,9 +124,8 @@ def train_variant(name: str, steps: int, warmup: int, output_dir: str) -> dict[s
     return {"cpu": clock.cpu, "wall": clock.wall, "loss": first}
 
 
-def measure(reps: int, steps: int, warmup: int, output_dir: str) -> dict[str, Any]:
-    """Every variant per repetition, order rotated; CPU seconds per step summed over the two ranks."""
-    names = [v[0] for v in VARIANTS]
+def measure(reps: int, steps: int, warmup: int, output_dir: str, names: list[str]) -> dict[str, Any]:
+    """Every variant of `names` per repetition, order rotated; CPU seconds per step summed over the two ranks."""
     cpu: dict[str, list[float]] = {n: [] for n in names}
     wall: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, float] = {}
@@ -156,7 +155,7 @@ def report(result: dict[str, Any], settings: dict[str, int]) -> list[str]:
              f"{settings['reps']} repetitions x {settings['steps']} timed steps after {settings['warmup']} warm-up; "
              "CPU = process time summed over both ranks; ratio = median over repetitions", ""]
     rows = []
-    for name, _, _ in VARIANTS:
+    for name in settings["names"]:
         if name in refused:
             rows.append([name, "n/a", "n/a", "n/a", f"not run: {refused[name]}"])
         else:
@@ -164,7 +163,7 @@ def report(result: dict[str, Any], settings: dict[str, int]) -> list[str]:
                          f"{statistics.median(wall[name]) * 1e3:.1f}", ""])
     lines += table(["variant", "first loss", "CPU ms/step", "wall ms/step", "note"], rows)
     ratios = []
-    for mine, peer in PAIRS:
+    for mine, peer in (pair for pair in PAIRS if set(pair) <= set(settings["names"])):
         if peer in refused or mine in refused:
             ratios.append([mine, peer, "n/a (peer does not run on CPU)" if peer in refused else "n/a", ""])
         else:
@@ -178,12 +177,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
     parser.add_argument("--out", default=None, help="markdown file to write")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default: 5, --quick 2)")
+    parser.add_argument("--only", nargs="*", default=None, metavar="PLAN",
+                        help="only these meshkit plans (e.g. dp_replicate=2) and their peers")
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    if args.reps:
+        settings["reps"] = args.reps
+    names = [v[0] for v in VARIANTS]
+    if args.only is not None:
+        mine = {v[0] for v in VARIANTS if v[1] in args.only}
+        names = [n for n in names if n in mine or any(p == n and m in mine for m, p in PAIRS)]
+    settings["names"] = names
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
-        result = measure(settings["reps"], settings["steps"], settings["warmup"], scratch)
+        result = measure(settings["reps"], settings["steps"], settings["warmup"], scratch, names)
     emit(report(result, settings), args.out)
 
 

@@ -84,3 +84,10 @@ def grouped_mm_op():
 def is_compiled(module) -> bool:
     """Whether `module` runs as one compiled graph (`module.compile()` or a `torch.compile` wrapper)."""
     return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
+def foreach_scale_(tensors: list, factor: float) -> None:
+    """Multiply every tensor by `factor` in place, in one foreach kernel launch per device and dtype
+    (`torch._foreach_mul_`, private): gradient clipping scales every local gradient at once."""
+    if tensors:
+        torch._foreach_mul_(tensors, factor)

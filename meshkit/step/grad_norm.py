@@ -15,7 +15,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import get_total_norm
 
+from meshkit._compat.dispatch import foreach_scale_
 from meshkit.local_tensor import local_tensor
 
 
@@ -49,12 +51,7 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_gr
     total = torch.zeros((), dtype=torch.float32, device=device)
     # Same order on every rank: keys name axes, never rank lists, so peers issue matching collectives.
     for key in sorted(buckets, key=repr):
-        local = buckets[key]
-        if is_inf:
-            part = torch.stack([t.detach().abs().max().float() for t in local]).max()
-        else:
-            part = torch.stack([t.detach().float().norm(norm_type) ** norm_type for t in local]).sum()
-        part = part.to(device)
+        part = _local_part(buckets[key], norm_type).to(device)
         if key != ("plain",):
             mesh = meshes[key]
             for dim in key[1]:
@@ -66,6 +63,23 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float = 2.0, extra_gr
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
     return total if is_inf else total ** (1.0 / norm_type)
+
+
+def _local_part(local: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The local tensors' max (inf norm) or sum of |x|^p, in fp32: fp32 tensors through torch's foreach
+    norms (one kernel per group, not one per tensor), others each cast to fp32 first (a bf16 norm would
+    round the sum)."""
+    local = [t.detach() for t in local if t.numel()]  # an uneven shard may hold nothing (no max to take)
+    wide = [t for t in local if t.dtype == torch.float32]
+    narrow = [t.float() for t in local if t.dtype != torch.float32]
+    parts = [torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")]
+    if math.isinf(norm_type):
+        parts += [t.abs().max() for t in narrow] + ([get_total_norm(wide, norm_type)] if wide else [])
+        return torch.stack(parts).max()
+    parts += [t.norm(norm_type) ** norm_type for t in narrow]
+    if wide:
+        parts.append(get_total_norm(wide, norm_type) ** norm_type)
+    return torch.stack(parts).sum()
 
 
 @torch.no_grad()
@@ -85,8 +99,5 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
                          "(meshkit.step.nonfinite.NonFiniteGuard), lower the learning rate, or check the data")
     coef = float(max_norm) / (float(norm) + 1e-6)
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                grad = local_tensor(p.grad)
-                grad.mul_(coef)
+        foreach_scale_([local_tensor(p.grad) for p in params if p.grad is not None], coef)
     return norm
