@@ -3,8 +3,9 @@
 When `dp_replicate` is the plan's only parallelism (`rules.replicates_with_ddp`), every rank holds the
 whole model, gradients and optimizer state, so FSDP2 would shard nothing and still run its per-unit
 hooks, copy-in/copy-out of every gradient and a DTensor optimizer step: 13% more CPU per step than
-HF's Trainer on DDP (benchmarks/results/trainer.md). Here torch's DDP reducer (through its composable
-`replicate`, which keeps parameter names) all-reduces gradients in 25 MB buckets as backward produces
+HF's Trainer on DDP before this path, 0.98x with it (benchmarks/results/trainer.md). Here torch's DDP
+reducer (through its composable `replicate`, which keeps parameter names) all-reduces gradients in
+25 MB buckets as backward produces
 them, summing them (meshkit's loss carries the global denominator), with each gradient a view into
 its bucket. The buckets exist from the first forward on, so the gradients' bytes are resident for
 the whole run. After `zero_grad` (gradients set to None) each window starts with the gradients
