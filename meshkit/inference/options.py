@@ -126,6 +126,15 @@ def _problem(given: dict[str, Any], max_new: Any, do_sample: Any, eos: tuple, pa
     return None
 
 
+def inferred_attention_mask(prompt_ids: torch.Tensor, options: GenerateOptions) -> torch.Tensor | None:
+    """The mask HF's generate infers when none is given: the prompt's pad tokens are padding, if a pad
+    token is set, is not an eos token, and occurs in the prompt (None: every token is real)."""
+    pad = options.pad
+    if pad is None or pad in options.eos or not bool((prompt_ids == pad).any()):
+        return None
+    return (prompt_ids != pad).long()
+
+
 def prompt_problem(prompt_ids: torch.Tensor, attention_mask: Any, options: GenerateOptions | None,
                    config: Any) -> str | None:
     """The attention mask (left padding only) and the room below `max_position_embeddings`."""
