@@ -51,26 +51,32 @@ class SaveDirLock:
         """(the lock, a note to print or "") when this process now holds it; (None, why) when another run does."""
         path = Path(save_dir) / LOCK
         record = _describe(os.environ if env is None else env)
+        # The record is written whole before the lock exists (a hard link of it, which fails if the lock
+        # exists): a lock created empty and filled after would read as "unreadable" to a run racing it,
+        # which would take it over as stale, and both would hold the directory.
+        written = path.with_name(f"{LOCK}.{record['token']}.new")
+        written.write_text(json.dumps(record, indent=1))
         note = ""
-        for _ in range(3):  # create; or find it stale, rename it away and create again
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = _read(path)
-                why_stale = stale_reason(holder, record, _age_s(path))
-                if why_stale is None:
-                    return None, _refusal(save_dir, path, holder)
-                if not _take_over(path, holder):
-                    continue  # another run took it over first: look again
-                note = f"took over the stale lock {path} ({why_stale}: {_holder(holder)})"
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f, indent=1)
-            lock = cls(path, record)
-            lock._thread.start()
-            _held[str(path)] = lock
-            return lock, note
-        return None, _refusal(save_dir, path, _read(path))
+        try:
+            for _ in range(3):  # create; or find it stale, rename it away and create again
+                try:
+                    _create(path, written, record)
+                except FileExistsError:
+                    holder = _read(path)
+                    why_stale = stale_reason(holder, record, _age_s(path))
+                    if why_stale is None:
+                        return None, _refusal(save_dir, path, holder)
+                    if not _take_over(path, holder):
+                        continue  # another run took it over first: look again
+                    note = f"took over the stale lock {path} ({why_stale}: {_holder(holder)})"
+                    continue
+                lock = cls(path, record)
+                lock._thread.start()
+                _held[str(path)] = lock
+                return lock, note
+            return None, _refusal(save_dir, path, _read(path))
+        finally:
+            written.unlink(missing_ok=True)
 
     def set_run_id(self, run_id: str) -> None:
         """Record the run id once the checkpoint policy has chosen it (replaces the file atomically)."""
@@ -92,6 +98,21 @@ class SaveDirLock:
                 os.utime(self.path)
             except OSError:
                 return
+
+
+def _create(path: Path, written: Path, record: dict[str, Any]) -> None:
+    """Create the lock `path` holding `record`, or raise FileExistsError: a hard link of the file already
+    written, else (a file system without hard links) an exclusive create, then the write."""
+    try:
+        os.link(written, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError:
+        pass
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def holder_problem(save_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> str | None:
