@@ -68,7 +68,7 @@ def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
     else:
         peers = "pp" if plan.pp > 1 else ("cp" if plan.cp > 1 else "tp")  # pp_cp_tp: its outermost axis above 1
         outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate",
-                 "pp_cp_tp": peers}.get(axis, axis)
+                 "pp_cp_tp": peers, "pp_ends": "pp", "pp_mirror": "pp"}.get(axis, axis)
         span = math.prod(getattr(plan, a) for a in AXES[AXES.index(outer):])
     if span <= device.gpus_per_node:
         return "nvlink", device.nvlink_bw
@@ -346,9 +346,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             c = out[-1]
             out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
         if state.tied_copy_elements:  # first and last stage sum their tied-embedding copies' gradients
-            add("pp", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
+            # a group of two: pp ranks 0 and pp-1 alone (the whole pp axis only when pp = 2)
+            add("pp_ends", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
                 shard_sums, state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
         if chains == 2:  # DualPipe: pp ranks r and pp-1-r hold the same layers; one flat fp32 all-reduce
-            add("pp", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
+            add("pp_mirror", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
                 (state.trained_params + state.trained_tensors) * 4, 2, None)  # + one presence flag per tensor
     return out

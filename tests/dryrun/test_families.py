@@ -1,0 +1,58 @@
+"""What the plan families' dry run (benchmarks/dryrun_families.py) found, each pinned by a small case."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig
+
+from meshkit.activation_checkpoint import _selective_context
+from meshkit.context_parallel.kernels import ATTENTION_BLOCK_OP, attention_block
+from meshkit.dryrun import dry_run
+from meshkit.estimate.spec import Workload
+from meshkit.plan import Plan
+
+TIED = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=8, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+class _Calls(TorchDispatchMode):
+    """Counts calls of one op, forward and recompute alike."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpoint_keeps_meshkits_attention_output() -> None:
+    """Selective AC keeps attention outputs; meshkit's own attention op (Ulysses' local kernel, packed
+    documents without CP) was not on its list, so backward re-ran the whole attention (and under
+    Ulysses its all-to-alls' inputs) and held its output for none of the blocks: the dry run measured
+    Ulysses at Llama 3.2 3B, 16384 tokens over cp=4, 0.67 GiB under the estimate. One call now."""
+    q, k, v = (torch.randn(1, 4, 32, 8, requires_grad=True) for _ in range(3))
+
+    def block(q, k, v):
+        out, _ = attention_block(q * 2, k * 2, v * 2, causal_kind="causal")
+        return out.sin()
+
+    counter = _Calls(ATTENTION_BLOCK_OP)
+    with counter:
+        out = torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False, context_fn=_selective_context)
+        out.sum().backward()
+    assert counter.calls == 1, f"meshkit::attention_block ran {counter.calls} times (recomputed in backward)"
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_tied_embedding_sum_is_named_by_its_two_ranks() -> None:
+    """A tied embedding under pp = 4: the first and last stage sum their copies' gradients over a group of
+    those two ranks, not the pp axis; the estimator named it `pp` and the dry run by its ranks, so the
+    collectives differed at pp > 2 (Llama 3.2 3B, pp=4). Both now say `pp_ends`, byte for byte."""
+    plan = Plan.from_string("pp=4,pp_microbatches=4,param_dtype=bfloat16").resolve(4)
+    result = dry_run(LlamaConfig(**TIED), plan, 4, Workload(seq=32, mbs=1, microbatches=4), ranks=[0, 3], jobs=2)
+    for r in result.ranks:
+        assert "pp_ends" in r.estimate.collectives and r.run.measured.collectives().get("pp_ends"), r.run.rank
+        assert not r.collective_differences, (r.run.rank, r.collective_differences)
