@@ -48,7 +48,8 @@ def estimate_rank(config: Any, plan: Plan, world: int, workload: Workload, coord
     whole = estimate(config, plan, world, workload)
     pp_rank = coords["pp"]
     in_flight = whole.sim.peak_activations[pp_rank] if whole.sim is not None else 1
-    mem = rank_memory(config, plan, workload, pp_rank, in_flight, tp_rank=coords["tp"], fsdp_rank=coords["fsdp"])
+    mem = rank_memory(config, plan, workload, pp_rank, in_flight, tp_rank=coords["tp"], fsdp_rank=coords["fsdp"],
+                      cp_rank=coords["cp"])
     s = mem.state
     at_step = mem.moment == "optimizer"
     parts = {"parameters": s.param_bytes, "gradients": s.grad_bytes if at_step else mem.grads_held,

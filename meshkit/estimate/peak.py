@@ -118,10 +118,11 @@ def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
 
 
 def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1, *,
-                tp_rank: int = 0, fsdp_rank: int = 0) -> RankMemory:
+                tp_rank: int = 0, fsdp_rank: int = 0, cp_rank: int | None = None) -> RankMemory:
     """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
     at once (the pipeline simulator's peak for that rank; 1 without pipelining); its shards are those
-    of `tp_rank` and `fsdp_rank` (uneven splits differ by a row per tensor)."""
+    of `tp_rank` and `fsdp_rank` (uneven splits differ by a row per tensor); `cp_rank` (default: the
+    last, the most) sets how many ring steps' outputs selective AC keeps."""
     plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     state = model_state(config, plan, pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
@@ -131,7 +132,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     stages = stage_kinds(config, plan)[pp_rank]
     on_rank = sorted({k for stage in stages for k in stage})
     per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, kind=k, **kw),
-                                config, plan, workload) for k in on_rank}
+                                config, plan, workload, cp_rank) for k in on_rank}
     recompute = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, kind=k, **kw)
                      for k in on_rank), default=0)
     # In-flight pairs may be of any of the rank's stages: the one holding the most bytes sets the peak.
@@ -251,13 +252,29 @@ def _fsdp_gathered(config: Any, plan: Plan, state: ModelState) -> tuple[int, int
     return gathered_bytes(plan, last, last_float8), 2 * gathered_bytes(plan, unit, unit_float8) + unit * (act + red)
 
 
-def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:
+def ring_outputs_kept(plan: Plan, cp_rank: int | None) -> tuple[int, int]:
+    """(numerator, denominator) of the local (out, lse) a ring rank computes over its steps, each kept
+    by selective AC: under causal attention the contiguous layout's rank r computes r + 1 blocks (later
+    ones are masked whole and skipped); the zig-zag rank r its diagonal, r whole blocks and, from later
+    ranks, its second half's queries only (half an output each). USP's ring runs over cp / ulysses ranks
+    (cp rank = ring rank x ulysses + ulysses rank). Default: the ring's last rank, which computes every
+    block whole. Measured by the dry run (rank 0 of a ring of 4 keeps 1, of a zig-zag 2.5, not 4)."""
+    ring = plan.cp // plan.ulysses_degree
+    r = ring - 1 if cp_rank is None else cp_rank // plan.ulysses_degree
+    if plan.cp_layout == "contiguous":
+        return r + 1, 1
+    return 2 + 2 * r + (ring - 1 - r), 2
+
+
+def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload,
+                 cp_rank: int | None = None) -> dict[str, int]:
     """One block's bytes with what the plan's CP kind keeps beyond the traced SDPA call."""
     kind = getattr(plan, "cp_attention", "zigzag")
     ac = plan.activation_checkpointing
     if ac == "selective" and plan.cp > 1 and kind in ("ring", "zigzag", "usp"):
         # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
-        per_block["attention"] = per_block.get("attention", 0) * plan.cp
+        num, den = ring_outputs_kept(plan, cp_rank)
+        per_block["attention"] = per_block.get("attention", 0) * num // den
     elif ac == "selective" and plan.cp > 1 and kind == "allgather":
         # two kernel calls per local query chunk (key prefix, causal diagonal), each output kept
         per_block["attention"] = per_block.get("attention", 0) * 2

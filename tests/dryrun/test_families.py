@@ -13,7 +13,7 @@ from meshkit.estimate.spec import Workload
 from meshkit.plan import Plan
 
 TIED = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-            head_dim=8, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+            head_dim=8, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=True)
 
 
 class _Calls(TorchDispatchMode):
@@ -56,3 +56,20 @@ def test_tied_embedding_sum_is_named_by_its_two_ranks() -> None:
     for r in result.ranks:
         assert "pp_ends" in r.estimate.collectives and r.run.measured.collectives().get("pp_ends"), r.run.rank
         assert not r.collective_differences, (r.run.rank, r.collective_differences)
+
+
+DENSE = dict(TIED, tie_word_embeddings=False)
+
+
+def test_ring_ranks_keep_the_outputs_of_the_steps_they_compute() -> None:
+    """Under selective AC a ring keeps each step's (out, lse); the estimate kept cp of them on every rank,
+    the last rank's count. The zig-zag rank 0 of 4 computes its diagonal whole and half an output from
+    each later rank (2.5), rank 3 four whole ones: the dry run measured Llama 3.2 3B's rank 0 1 GiB
+    under the estimate. Rank 3's activations exceed rank 0's by what the estimate now says, exactly."""
+    plan = Plan.from_string("cp=4,cp_attention=zigzag,cp_keep_kv=false,activation_checkpointing=selective,"
+                            "param_dtype=bfloat16").resolve(4)
+    result = dry_run(LlamaConfig(**DENSE), plan, 4, Workload(seq=512, mbs=1), ranks=[0, 3], jobs=2)
+    first, last = result.ranks
+    measured = last.run.measured.peak.parts["activations"] - first.run.measured.peak.parts["activations"]
+    estimated = last.estimate.parts["activations"] - first.estimate.parts["activations"]
+    assert measured > 0 and estimated == measured, (measured, estimated, first.run.measured.peak.parts, first.estimate.parts, last.run.measured.peak.parts, last.estimate.parts)
