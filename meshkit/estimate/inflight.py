@@ -34,6 +34,9 @@ class StageBytes:
     transient: int = 0   # on top while its backward runs (loss backward or a block's recompute)
     last: bool = False   # the stage holding the loss
     weight_transient: int = 0  # on top while its W runs: the largest weight gradient it computes
+    # What W leaves in the unsharded weights' `.grad` (compute dtype) under FSDP: its post-backward, which
+    # folds them into the reduce-dtype accumulation, ran in B, so they wait for the next B (dry run)
+    weight_grads: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
     stage); return the largest moment (after a forward, or as a backward starts with its transient)."""
     actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank)
     act = grads = pairs = 0
+    weighed: set[int] = set()  # stages whose W has run: their weights' `.grad` is alive from then on
     best = Held(0, 0, 0, False, 0)
     for kind, s in actions:
         b = stages[s]
@@ -77,6 +81,9 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
             act, grads, pairs = act - b.activations + b.deferred_inputs, grads + b.deferred_grads, pairs - 1
         elif kind == "W":
             act, grads = act - b.deferred_inputs, grads - b.deferred_grads
+            if s not in weighed:
+                weighed.add(s)
+                grads += b.weight_grads
         else:  # BW
             act, pairs = act - b.activations, pairs - 1
         best = max(best, Held(act, grads, 0, False, pairs), key=lambda h: h.total)
@@ -88,6 +95,12 @@ def largest_weight(plan: Plan, specs: Iterable[ParamSpec], kind: str) -> int:
     sizes = [spec.shape[0] * spec.shape[1] // (plan.tp if spec.tp_dim is not None else 1) for spec in specs
              if spec.unit == "block" and spec.kind == kind and len(spec.shape) == 2]
     return max(sizes, default=0) * dtype_bytes(plan.param_dtype)
+
+
+def weight_bytes(plan: Plan, specs: Iterable[ParamSpec], kind: str) -> int:
+    """Bytes of every weight gradient a W computes for one block of `kind` (compute dtype, TP shard)."""
+    return sum(spec.shape[0] * spec.shape[1] // (plan.tp if spec.tp_dim is not None else 1) for spec in specs
+               if spec.unit == "block" and spec.kind == kind and len(spec.shape) == 2) * dtype_bytes(plan.param_dtype)
 
 
 def deferred_bytes(config: Any, plan: Plan, workload: Workload, specs: Iterable[ParamSpec], kind: str) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from meshkit.data_parallel.rules import replicates_with_ddp
+from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import activations as acts
 from meshkit.estimate.inflight import (
     Held,
@@ -24,6 +24,7 @@ from meshkit.estimate.inflight import (
     head_deferred_bytes,
     largest_weight,
     replay,
+    weight_bytes,
 )
 from meshkit.estimate.memory import (
     block_activations,
@@ -155,6 +156,10 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     elif last:
         moments.append(dataclasses.replace(memory, moment="loss", transient=loss, fsdp_buffers=kept + carried,
                                            grads_held=held_grads))
+    if options.full_grads and plan.pp == 1:  # ZeRO-1: a call's backward ends with every unit's unreduced
+        # gradient beside the gathered parameters, its activations gone (a window's own accumulation, if any)
+        moments.append(dataclasses.replace(memory, moment="block", held={}, in_flight=0, head={}, fsdp_buffers=kept
+                                           + max(options.full_grads, carried), grads_held=held_grads))
     if not options.host:  # AdamW's step (foreach): a square root of the second moments beside the state
         moments.append(dataclasses.replace(memory, moment="optimizer", transient=state.param_bytes))
     if plan.activation_offload:  # what autograd saves: every activation, or under AC the block inputs
@@ -177,6 +182,8 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     specs = param_specs(config)[0] if split else ()
     deferred = {k: deferred_bytes(config, plan, workload, specs, k) for k in per_kind} if split else {}
     weights = {k: largest_weight(plan, specs, k) for k in per_kind} if split else {}
+    fsdp = shards_with_fsdp(plan)
+    stage_weights = {k: weight_bytes(plan, specs, k) for k in per_kind} if split and fsdp else {}
     # A stage's output ([mbs, s/cp, h], this rank's s/tp under SP) stays in the runtime's outputs until
     # the microbatch's backward is called on it; no block saves it (measured by the dry run: one
     # residual-stream tensor per in-flight microbatch on every stage but the last).
@@ -196,10 +203,12 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
         weight = max((weights[k] for k in kinds), default=0)
         # B holds a block's output gradients for W as it goes: the first block's are on top at once
         transient += max((deferred[k][1] for k in kinds), default=0)
+        held = sum(n * stage_weights.get(k, 0) for k, n in kinds.items())
         if last:
             head_in, head_grad, head_weight = head_deferred_bytes(config, plan, workload)
             inputs, grads, weight = inputs + head_in, grads + head_grad, max(weight, head_weight)
-        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight)
+            held += head_weight if fsdp else 0
+        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight, held)
     return out
 
 
@@ -219,7 +228,7 @@ def _gradients_held(plan: Plan, workload: Workload, state: ModelState, options: 
         return state.grad_bytes * (2 if calls > 1 else 1), 0
     if not options.sharded:
         return (state.grad_bytes if calls > 1 or plan.pp > 1 else 0), 0
-    per_call = plan.grad_sync == "every_microbatch" and plan.zero != 1
+    per_call = plan.grad_sync == "every_microbatch"  # ZeRO-1 too: a reduce-scatter after each call's backward
     carried = options.full if plan.pp > 1 or (calls > 1 and not per_call) else 0
     return (state.grad_bytes if calls > 1 and per_call else 0), carried
 
