@@ -37,6 +37,7 @@ class StageBytes:
     # What W leaves in the unsharded weights' `.grad` (compute dtype) under FSDP: its post-backward, which
     # folds them into the reduce-dtype accumulation, ran in B, so they wait for the next B (dry run)
     weight_grads: int = 0
+    end_transient: int = 0  # on top as its backward ends (its first block's recompute)
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,12 @@ class Held:
     transient: int
     loss: bool
     pairs: int  # stage-microbatch pairs whose activations were alive (forward done, backward not)
+    carried: int = 0  # the call's unreduced gradients, once the rank's first backward made them
 
     @property
     def total(self) -> int:
         """Bytes of the moment."""
-        return self.activations + self.deferred_grads + self.transient
+        return self.activations + self.deferred_grads + self.transient + self.carried
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,19 +64,23 @@ def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple
                  if a.kind in COMPUTE_KINDS)
 
 
-def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
+def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int = 0) -> Held:
     """Replay `pp_rank`'s compute actions under the plan's schedule with `stages`' bytes (by global
-    stage); return the largest moment (after a forward, or as a backward starts with its transient)."""
+    stage); return the largest moment (after a forward, as a backward starts with its transient, or as
+    the rank's first backward ends). `carried`: the unreduced gradients FSDP accumulates over the
+    call, which exist from the rank's first backward on (before it, nothing has made them: under GPipe
+    the peak is that backward's end, one microbatch's activations freed, measured by the dry run)."""
     actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank)
     act = grads = pairs = 0
     weighed: set[int] = set()  # stages whose W has run: their weights' `.grad` is alive from then on
+    late = 0  # `carried` once a backward ran
     best = Held(0, 0, 0, False, 0)
     for kind, s in actions:
         b = stages[s]
         if kind in ("B", "BW"):
-            best = max(best, Held(act, grads, b.transient, b.last, pairs), key=lambda h: h.total)
+            best = max(best, Held(act, grads, b.transient, b.last, pairs, late), key=lambda h: h.total)
         elif kind == "W":
-            best = max(best, Held(act, grads, b.weight_transient, False, pairs), key=lambda h: h.total)
+            best = max(best, Held(act, grads, b.weight_transient, False, pairs, late), key=lambda h: h.total)
         if kind == "F":
             act, pairs = act + b.activations, pairs + 1
         elif kind == "B":
@@ -86,7 +92,10 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
                 grads += b.weight_grads
         else:  # BW
             act, pairs = act - b.activations, pairs - 1
-        best = max(best, Held(act, grads, 0, False, pairs), key=lambda h: h.total)
+        if kind in ("B", "BW") and not late:
+            late = carried
+            best = max(best, Held(act, grads, b.end_transient, False, pairs, late), key=lambda h: h.total)
+        best = max(best, Held(act, grads, 0, False, pairs, late), key=lambda h: h.total)
     return best
 
 

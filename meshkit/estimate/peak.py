@@ -148,11 +148,14 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
                                    grads_held=held_grads, head_freed=sum(head.values()))]
     loss = acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw) if last else 0
     if plan.pp > 1:  # the schedule's largest moment, by replaying the rank's actions with their bytes
+        # a window's earlier calls left their unreduced gradients; this call's appear with its first backward
+        early = carried if workload.calls(plan) > 1 and plan.grad_sync == "last_microbatch" else 0
         pipe = replay(plan, pp_rank, _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head,
-                                                  loss, recompute))
+                                                  loss, recompute), carried - early)
         moments = [dataclasses.replace(memory, moment="loss" if pipe.loss else "block", pipeline=pipe,
                                        in_flight=pipe.pairs, transient=pipe.transient + pipe.deferred_grads,
-                                       fsdp_buffers=(kept if pipe.loss else moving) + carried, grads_held=held_grads)]
+                                       fsdp_buffers=(kept if pipe.loss else moving) + early + pipe.carried,
+                                       grads_held=held_grads)]
     elif last:
         moments.append(dataclasses.replace(memory, moment="loss", transient=loss, fsdp_buffers=kept + carried,
                                            grads_held=held_grads))
@@ -196,7 +199,7 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
             (sum(head.values()) if last else output)
         transient = loss if last else recompute
         if not split:
-            out[stage] = StageBytes(activations, transient=transient, last=last)
+            out[stage] = StageBytes(activations, transient=transient, last=last, end_transient=recompute)
             continue
         inputs = sum(n * deferred[k][0] for k, n in kinds.items())
         grads = sum(n * deferred[k][1] for k, n in kinds.items())
@@ -208,7 +211,7 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
             head_in, head_grad, head_weight = head_deferred_bytes(config, plan, workload)
             inputs, grads, weight = inputs + head_in, grads + head_grad, max(weight, head_weight)
             held += head_weight if fsdp else 0
-        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight, held)
+        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight, held, recompute)
     return out
 
 
