@@ -15,7 +15,7 @@ from typing import Any
 from meshkit.data_parallel.replicate import BUCKET_MB
 from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import moe
-from meshkit.estimate.memory import stage_ranks
+from meshkit.estimate.memory import float8_weights_per_block, stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.estimate.zero import gathered_bytes
 from meshkit.mesh import AXES
@@ -275,6 +275,16 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
                 unit * red, shards, t_bwd / 2)
             add("dp_replicate", "all_reduce", "HSDP: expert gradient shards", syncs * moe_blocks,
                 unit * red / shards, rep, t_bwd)
+
+    if plan.float8 == "tensorwise" and fsdp_applied:  # the weights' scales for the float8 all-gathers: the
+        # stacked amaxes (fp32, one per converted weight) of each stage, reduced before its every forward
+        per_block = float8_weights_per_block(config, plan.tp)
+        weights = sum(b.count * per_block.get(b.kind, 0) for b in state.block_units)
+        # over every axis the weights are sharded on: FSDP's, and under TP FSDP's with tp in one group
+        # (checked by the dry run without HSDP)
+        axis = "dp_shard_cp" if plan.tp == 1 else "dp_cp_tp"
+        add(axis, "all_reduce", "float8: weight amaxes before each forward", m, 4 * weights,
+            plan.dp_shard * plan.cp * plan.tp, None)
 
     if plan.cp > 1:
         kind = getattr(plan, "cp_attention", "zigzag")
