@@ -46,7 +46,7 @@ FAMILIES = {
     "pp_zb_v": (_PP + "pp_schedule=zb_v", 4096, "selective", 1, 0),
     "pp_dualpipe": (_PP + "pp_schedule=dualpipe", 4096, "selective", 1, 0),
     "pp_dualpipe_v": (_PP + "pp_schedule=dualpipe_v", 4096, "selective", 1, 0),
-    "pp_zb_auto": (_PP + "pp_schedule=zb_auto", 4096, "selective", 1, 0),
+    "pp_zb_auto": (_PP + "pp_schedule=zb_auto,pp_costs=1/2/1", 4096, "selective", 1, 0),
     "zero1": ("dp_shard=-1,zero=1", 4096, "selective", 2, 0),
     "zero1_last_microbatch": ("dp_shard=-1,zero=1,grad_sync=last_microbatch", 4096, "selective", 2, 0),
     "zero2": ("dp_shard=-1,zero=2", 4096, "selective", 2, 0),

@@ -19,6 +19,7 @@ from typing import Any
 
 from meshkit.estimate.spec import ParamSpec, Workload, dtype_bytes
 from meshkit.pipeline.actions import COMPUTE_KINDS
+from meshkit.pipeline.costs import given
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.plan import Plan
 
@@ -59,9 +60,12 @@ class Held:
 
 
 @functools.lru_cache(maxsize=256)
-def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], ...]:
-    return tuple((a.kind.value, a.stage) for a in build_schedule(schedule, pp, m, v).ranks[rank]
-                 if a.kind in COMPUTE_KINDS)
+def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int, costs: tuple[float, ...] = (),
+                     memory_limit: int | None = None) -> tuple[tuple[str, int], ...]:
+    # zb_auto is built as the runtime builds it: at the plan's `pp_costs` and `pp_memory_limit` (without
+    # them the runtime times its first call and rebuilds from the measured costs, which no estimate knows)
+    built = build_schedule(schedule, pp, m, v, costs=given(costs) if costs else None, memory_limit=memory_limit)
+    return tuple((a.kind.value, a.stage) for a in built.ranks[rank] if a.kind in COMPUTE_KINDS)
 
 
 def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int = 0) -> Held:
@@ -70,10 +74,11 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int
     the rank's first backward ends). `carried`: the unreduced gradients FSDP accumulates over the
     call, which exist from the rank's first backward on (before it, nothing has made them: under GPipe
     the peak is that backward's end, one microbatch's activations freed, measured by the dry run)."""
-    actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank)
+    actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank,
+                               plan.pp_costs, plan.pp_memory_limit)
     act = grads = pairs = 0
     weighed: set[int] = set()  # stages whose W has run: their weights' `.grad` is alive from then on
-    late = 0  # `carried` once a backward ran
+    late, backward = 0, False  # `carried` once a backward ran
     best = Held(0, 0, 0, False, 0)
     for kind, s in actions:
         b = stages[s]
@@ -92,8 +97,8 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int
                 grads += b.weight_grads
         else:  # BW
             act, pairs = act - b.activations, pairs - 1
-        if kind in ("B", "BW") and not late:
-            late = carried
+        if kind in ("B", "BW") and not backward:
+            backward, late = True, carried
             best = max(best, Held(act, grads, b.end_transient, False, pairs, late), key=lambda h: h.total)
         best = max(best, Held(act, grads, 0, False, pairs, late), key=lambda h: h.total)
     return best
