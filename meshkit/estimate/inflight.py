@@ -68,17 +68,20 @@ def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int, costs: t
     return tuple((a.kind.value, a.stage) for a in built.ranks[rank] if a.kind in COMPUTE_KINDS)
 
 
-def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int = 0) -> Held:
+def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int = 0, carried_w: int = 0) -> Held:
     """Replay `pp_rank`'s compute actions under the plan's schedule with `stages`' bytes (by global
     stage); return the largest moment (after a forward, as a backward starts with its transient, or as
     the rank's first backward ends). `carried`: the unreduced gradients FSDP accumulates over the
     call, which exist from the rank's first backward on (before it, nothing has made them: under GPipe
-    the peak is that backward's end, one microbatch's activations freed, measured by the dry run)."""
+    the peak is that backward's end, one microbatch's activations freed, measured by the dry run).
+    `carried_w` of them, the deferred linears' under a B/W split, only once a B ends after the rank's
+    first W (or a whole BW ends): W leaves them in `.grad`, and FSDP folds them in at the next B's
+    post-backward (under ZB-H2 the last stage peaks at a loss backward before that)."""
     actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank,
                                plan.pp_costs, plan.pp_memory_limit)
     act = grads = pairs = 0
     weighed: set[int] = set()  # stages whose W has run: their weights' `.grad` is alive from then on
-    late, backward = 0, False  # `carried` once a backward ran
+    late, backward, folded = 0, False, None  # the carried gradients made so far
     best = Held(0, 0, 0, False, 0)
     for kind, s in actions:
         b = stages[s]
@@ -97,8 +100,12 @@ def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int
                 grads += b.weight_grads
         else:  # BW
             act, pairs = act - b.activations, pairs - 1
+        if kind == "W" and folded is None:
+            folded = False  # W's gradients wait for the next B's post-backward
+        elif (kind == "B" and folded is False) or (kind == "BW" and not folded):  # a BW makes and folds them
+            folded, late = True, late + carried_w
         if kind in ("B", "BW") and not backward:
-            backward, late = True, carried
+            backward, late = True, late + carried - carried_w
             best = max(best, Held(act, grads, b.end_transient, False, pairs, late), key=lambda h: h.total)
         best = max(best, Held(act, grads, 0, False, pairs, late), key=lambda h: h.total)
     return best

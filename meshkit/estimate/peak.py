@@ -150,8 +150,11 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     if plan.pp > 1:  # the schedule's largest moment, by replaying the rank's actions with their bytes
         # a window's earlier calls left their unreduced gradients; this call's appear with its first backward
         early = carried if workload.calls(plan) > 1 and plan.grad_sync == "last_microbatch" else 0
-        pipe = replay(plan, pp_rank, _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head,
-                                                  loss, recompute), carried - early)
+        stage_bytes = _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head, loss, recompute)
+        # under a B/W split the deferred linears' gradients (reduce dtype) come with W, the rest with B
+        deferred = sum(b.weight_grads for b in stage_bytes.values()) * dtype_bytes(plan.reduce_dtype) \
+            // dtype_bytes(plan.param_dtype)
+        pipe = replay(plan, pp_rank, stage_bytes, carried - early, min(deferred, carried - early))
         moments = [dataclasses.replace(memory, moment="loss" if pipe.loss else "block", pipeline=pipe,
                                        in_flight=pipe.pairs, transient=pipe.transient + pipe.deferred_grads,
                                        fsdp_buffers=(kept if pipe.loss else moving) + early + pipe.carried,
