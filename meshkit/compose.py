@@ -184,7 +184,8 @@ def _apply_tensor_parallel(split: _PipelineSplit, plan: Plan, mesh: DeviceMesh) 
     """Shard every block over tp (plain blocks on local shards where the plan allows it)."""
     if plan.tp > 1:
         apply_tensor_parallel(split.parts, mesh["tp"], sequence_parallel=plan.sequence_parallel,
-                              loss_parallel=plan.loss_parallel, local=runs_on_local_shards(plan))
+                              loss_parallel=plan.loss_parallel, local=runs_on_local_shards(plan),
+                              saved_reduce_scatter=plan.activation_checkpointing == "selective")
 
 
 def _tp_summed_params(split: _PipelineSplit, plan: Plan) -> tuple[nn.Parameter, ...]:

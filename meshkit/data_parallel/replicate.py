@@ -3,13 +3,15 @@
 When `dp_replicate` is the plan's only parallelism (`rules.replicates_with_ddp`), every rank holds the
 whole model, gradients and optimizer state, so FSDP2 would shard nothing and still run its per-unit
 hooks, copy-in/copy-out of every gradient and a DTensor optimizer step: 13% more CPU per step than
-HF's Trainer on DDP (benchmarks/results/trainer.md). Here torch's DDP reducer (through its composable
-`replicate`, which keeps parameter names) all-reduces gradients in 25 MB buckets as backward produces
+HF's Trainer on DDP before this path, 0.98x with it (benchmarks/results/trainer.md). Here torch's DDP
+reducer (through its composable `replicate`, which keeps parameter names) all-reduces gradients in
+25 MB buckets as backward produces
 them, summing them (meshkit's loss carries the global denominator), with each gradient a view into
 its bucket. The buckets exist from the first forward on, so the gradients' bytes are resident for
-the whole run; within an accumulation window the calls before the last accumulate fresh gradient
-tensors beside them (DDP copies them in at the reducing call), so a window holds two gradients'
-bytes (the estimator counts both; pointing the gradients at the buckets first would save one).
+the whole run. After `zero_grad` (gradients set to None) each window starts with the gradients
+pointed back at their zeroed bucket views, so backward accumulates in place: without that, a
+window's calls before the reducing one would hold fresh gradients beside the buckets (two gradients'
+bytes, as in the first window, before any bucket view exists).
 
 Accumulation windows reduce once, at the window's last call, under either `Plan.grad_sync`: with
 nothing sharded, reducing an earlier call would free no memory (FSDP's reason for `every_microbatch`)
@@ -55,6 +57,7 @@ def replicated_call(roots: list[nn.Module], sync: bool) -> Iterator[None]:
     if not any(root in _SET_ASIDE for root in roots):  # a reduction period opens: what is there is reduced
         for root in roots:
             _SET_ASIDE[root] = _set_aside(root)
+            _point_at_buckets(root)
     for root in roots:
         root.set_requires_gradient_sync(sync)
     closes = True
@@ -70,6 +73,7 @@ def replicated_call(roots: list[nn.Module], sync: bool) -> Iterator[None]:
                         p.grad = kept
                     else:
                         p.grad.add_(kept)
+                _BUCKET_VIEWS[root] = [(p, p.grad) for p in root.parameters() if p.grad is not None]
 
 
 # replicated root -> (parameter, its gradient reduced before the open period), added back once the period's
@@ -77,6 +81,22 @@ def replicated_call(roots: list[nn.Module], sync: bool) -> Iterator[None]:
 # and may point `.grad` at a new bucket meanwhile.
 _SET_ASIDE: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Parameter, torch.Tensor]]] = \
     weakref.WeakKeyDictionary()
+
+
+# replicated root -> (parameter, its gradient as the last reduction left it: a view into DDP's bucket)
+_BUCKET_VIEWS: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Parameter, torch.Tensor]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _point_at_buckets(root: nn.Module) -> None:
+    """Give each parameter whose gradient was set to None (`zero_grad`) its bucket view back, zeroed, so
+    backward accumulates in the bucket: no fresh gradient beside the buckets (a window's earlier calls
+    would otherwise hold one until DDP copies it in), and no copy into the bucket at the reduction.
+    The views are dropped here: if DDP rebuilds its buckets (once, in the next forward) it moves the
+    gradients to the new ones, and nothing keeps the old alive."""
+    for p, view in _BUCKET_VIEWS.pop(root, []):
+        if p.grad is None:
+            p.grad = view.zero_()
 
 
 def _set_aside(root: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -229,9 +229,9 @@ def _gradients_held(plan: Plan, workload: Workload, state: ModelState, options: 
     Without FSDP, gradients are the parameters' own and accumulate over calls and microbatches alike.
     """
     calls = workload.calls(plan)
-    if replicates_with_ddp(plan):  # DDP's buckets hold every gradient from the first forward on; a
-        # window's earlier calls accumulate beside them until the last call copies in (`data_parallel.replicate`)
-        return state.grad_bytes * (2 if calls > 1 else 1), 0
+    if replicates_with_ddp(plan):  # DDP's buckets hold every gradient from the first forward on, and
+        # backward accumulates in them (`data_parallel.replicate` points gradients back at their views)
+        return state.grad_bytes, 0
     if not options.sharded:
         return (state.grad_bytes if calls > 1 or plan.pp > 1 else 0), 0
     per_call = plan.grad_sync == "every_microbatch"  # ZeRO-1 too: a reduce-scatter after each call's backward

@@ -13,8 +13,8 @@ would have stopped. The next token is chosen from the full-vocabulary logits of 
 gathered over tp on the last pipeline stage and broadcast over pp, so every rank of a data rank's
 group appends the same token.
 
-Left-padded prompts (`attention_mask`, rows of different lengths): a row's padding is a document
-of its own, so meshkit's block-diagonal attention keeps every real token away from it, and each
+Left-padded prompts (`attention_mask`, rows of different lengths; without one, HF's inference from
+the pad token: `options.inferred_attention_mask`): a row's padding is a document of its own, so meshkit's block-diagonal attention keeps every real token away from it, and each
 row's positions count its real tokens only, as HF's do. With a KV cache the padding stays in the
 cache, and each step passes the document ids of the whole cached sequence so the new token's
 attention skips it.
@@ -113,6 +113,8 @@ def generate(pm: ParallelModel, prompt_ids: torch.Tensor, *, attention_mask: tor
     if problem is None:
         opts, problem = options.resolve_options(getattr(pm.model, "generation_config", None), prompt_ids.shape[1],
                                         {**given, "tokenizer": tokenizer})
+        if attention_mask is None and opts is not None:
+            attention_mask = options.inferred_attention_mask(prompt_ids, opts)
         problem = problem or options.prompt_problem(prompt_ids, attention_mask, opts, config)
     options.refuse_on_every_rank(pm, prompt_ids, attention_mask, opts, problem)
     plan = pm.plan

@@ -126,6 +126,19 @@ def _problem(given: dict[str, Any], max_new: Any, do_sample: Any, eos: tuple, pa
     return None
 
 
+def inferred_attention_mask(prompt_ids: torch.Tensor, options: GenerateOptions) -> torch.Tensor | None:
+    """The mask HF's generate infers when none is given: the prompt's pad tokens are padding, if a pad
+    token is set, is not an eos token, and occurs in the prompt (None: every token is real). Only as left
+    padding, the one layout a decoder can continue: a pad id that also occurs inside or at the end of a
+    row is taken as an ordinary token there, as before (HF would mask it, and warn of right padding)."""
+    pad = options.pad
+    if pad is None or pad in options.eos or not bool((prompt_ids == pad).any()):
+        return None
+    mask = (prompt_ids != pad).long()
+    left_padding = bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool(mask[:, -1].all())
+    return mask if left_padding else None
+
+
 def prompt_problem(prompt_ids: torch.Tensor, attention_mask: Any, options: GenerateOptions | None,
                    config: Any) -> str | None:
     """The attention mask (left padding only) and the room below `max_position_embeddings`."""

@@ -112,6 +112,7 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     loss_parallel: bool,
     local: bool = True,
+    saved_reduce_scatter: bool = True,
 ) -> None:
     """Shard the embedding, every block, the final norm and the LM head over `tp_mesh`, in place.
 
@@ -119,7 +120,8 @@ def apply_tensor_parallel(
     replicated [B, S, H] without. The logits come out as a DTensor sharded on the vocabulary when
     `loss_parallel`, else as a replicated plain tensor. With `local` (off under torch.compile), plain
     blocks and the final norm run on their local shards (`tensor_parallel.local`: same parameters,
-    bytes and numerics, a fraction of the DTensor dispatch work).
+    bytes and numerics, a fraction of the DTensor dispatch work). `saved_reduce_scatter` (selective
+    activation checkpointing): their SP reduce-scatters as the functional op it keeps.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
@@ -130,11 +132,11 @@ def apply_tensor_parallel(
         apply_selected_rows(block, rows, tp_mesh)
         roles_lib.localize_head_counts(block, roles, parts.config, tp_mesh.size())
         latent = latent_attention_layers(roles)
-        apply_local_block(block, latent, tp_mesh, sequence_parallel)
+        apply_local_block(block, latent, tp_mesh, sequence_parallel, saved_reduce_scatter)
         kept = {name: role for name, role in roles.items() if name not in rows and name not in latent}
         if local and not rows and block_runs_local(kept, block):
             # its linears return fresh tensors (no DTensor views), which HF may edit in place
-            apply_local_block(block, kept, tp_mesh, sequence_parallel)
+            apply_local_block(block, kept, tp_mesh, sequence_parallel, saved_reduce_scatter)
         else:
             # LoRA layers get the adapter's style (`tensor_parallel.lora`), which follows the base's role
             adapters = {name: role for name, role in kept.items() if is_lora_layer(block.get_submodule(name))}

@@ -100,8 +100,8 @@ def test_fused_refuses_lbfgs_windows_and_clipping_before_any_update(dist):
         assert "does not clip" in clip
 
 
-def tied_pipeline() -> str:
-    pm = meshkit.parallelize(ModelSpec(layers=3, tied=True).build(), meshkit.Plan.from_string("pp=2"))
+def fused_refusal(plan: str, spec: ModelSpec) -> str:
+    pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string(plan))
     try:
         meshkit.fuse_optimizer_into_backward(pm, lambda ps: torch.optim.SGD(ps, lr=0.1))
     except ValueError as e:
@@ -109,9 +109,13 @@ def tied_pipeline() -> str:
     return "accepted"
 
 
-def test_fused_refuses_gradients_summed_after_backward(dist):
-    for message in dist(2).run(tied_pipeline):
-        assert "sums after backward" in message
+@pytest.mark.parametrize("plan, spec, words", [
+    ("pp=2", ModelSpec(layers=3, tied=True), "sums after backward"),  # a tied embedding split by pipelining
+    ("dp_replicate=2", ModelSpec(), "dp_replicate=2"),  # DDP's buckets keep every gradient: nothing to free
+])
+def test_fused_refuses_gradients_summed_after_backward_or_kept(dist, plan, spec, words):
+    for message in dist(2).run(fused_refusal, plan, spec):
+        assert words in message and "fix:" in message
 
 
 # ------------------------------------------------------------------------------------- checkpoints

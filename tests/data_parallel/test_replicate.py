@@ -1,7 +1,8 @@
 """Plans that only replicate (`dp_replicate` alone, fp32, no offload) run DDP's bucketed all-reduce instead
 of FSDP2 units: against the single-device model over accumulation windows under both `grad_sync`
 policies (a call that starts with accumulated gradients must not reduce them twice), what runs (DDP on
-plain tensors here; FSDP as soon as anything is sharded or cast), and the fused step's refusal."""
+plain tensors here; FSDP as soon as anything is sharded or cast), and where a window's gradients live
+(the fused step's refusal is in test_fused)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import meshkit
 from meshkit.data_parallel.rules import replicates_with_ddp
-from meshkit.testing.reference import ModelSpec
+from meshkit.testing.reference import BatchSpec, ModelSpec
 from tests.data_parallel.windows import assert_windows_match, train_windows
 
 CASES = [
@@ -49,15 +50,29 @@ def test_replicate_rule_needs_every_other_axis_at_one():
         assert not replicates_with_ddp(meshkit.Plan.from_string(plan).resolve(4 if "=2," in plan else 2)), plan
 
 
-def _fuse() -> str:
-    pm = meshkit.parallelize(ModelSpec().build(), meshkit.Plan.from_string("dp_replicate=2"))
-    try:
-        meshkit.fuse_optimizer_into_backward(pm, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    except ValueError as err:
-        return str(err)
-    return ""
+def _grad_storages_across_steps() -> list[bool]:
+    """For each parameter: after zero_grad (gradients None) and the next window's first (unreduced) call,
+    does its gradient live in the same storage as after the previous window's reduction (DDP's bucket)?
+    From the third window: DDP rebuilds its buckets in gradient order once, in the second."""
+    spec = ModelSpec()
+    pm = meshkit.parallelize(spec.build(), meshkit.Plan.from_string("dp_replicate=2,grad_sync=last_microbatch"))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    storages = {}
+    for step in range(3):
+        for call in range(2):
+            ids, labels = BatchSpec(batch=2, seq=8, seed=10 * step + call).make(spec.vocab)
+            pm.forward_backward(ids, labels, last_microbatch=call == 1)
+            if step == 2 and call == 0:
+                same = [p.grad is not None and p.grad.untyped_storage().data_ptr() == storages[id(p)]
+                        for p in pm.parameters()]
+        if step == 1:
+            storages = {id(p): p.grad.untyped_storage().data_ptr() for p in pm.parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return same
 
 
-def test_fused_step_refused_under_ddp(dist):
-    for message in dist(2).run(_fuse):
-        assert "dp_replicate=2" in message and "fix:" in message
+def test_a_window_accumulates_in_the_buckets(dist):
+    """No fresh gradient beside DDP's buckets in a window's earlier calls (two gradients' bytes otherwise)."""
+    for same in dist(2).run(_grad_storages_across_steps):
+        assert same and all(same)

@@ -67,6 +67,8 @@ CASES = [
     # CI: the local-shard TP path (f/g ops) with SP, and the DTensor styles under the zero-bubble B/W split
     pytest.param("tp=2,dp_shard=2", ModelSpec(lora=LORA), 8, False, id="tp2-sp-local"),
     pytest.param("pp=2,tp=2,pp_schedule=zb_h1,pp_microbatches=2", ModelSpec(lora=LORA), 8, True, id="pp2-tp2-zbh1"),
+    # CI: DDP (a plan that only replicates) with frozen weights, set up at the first forward after meta init
+    pytest.param("dp_replicate=4", ModelSpec(lora=LORA), 8, True, id="ddp-meta-init"),
     # slow (tests/ci_subset.py names the CI case covering each)
     pytest.param("tp=2,dp_shard=2,sequence_parallel=false", ModelSpec(lora=LORA), 8, False, id="tp2-no-sp"),
     pytest.param("dp_replicate=2,dp_shard=2", ModelSpec(lora=LORA), 8, True, id="hsdp"),

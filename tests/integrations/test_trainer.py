@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import transformers
 from trainer_cases import (
     DENSE,
@@ -36,7 +37,9 @@ def _meshkit_run(plan: str, spec, data: list[dict], output_dir: str, per_device:
     args = arguments(output_dir, per_device, accumulation, per_device_eval_batch_size=per_device, **extra)
     model = {"model": spec.build()} if init != "model_init" else {"model_init": lambda: spec.build()}
     if init == "meta":  # weights from a save_pretrained directory, loaded shard by shard
-        spec.build().save_pretrained(os.path.join(output_dir, "initial"))
+        if torch.distributed.get_rank() == 0:  # one writer: a rank reading while another rewrites finds no file
+            spec.build().save_pretrained(os.path.join(output_dir, "initial"))
+        torch.distributed.barrier()
         model = {"model": spec.build(device="meta"), "load_weights": os.path.join(output_dir, "initial")}
     trainer = meshkit_trainer(trainer_cls)(args=args, train_dataset=Dataset.from_list(data), data_collator=collate,
                                            eval_dataset=None if eval_data is None else Dataset.from_list(eval_data),
@@ -76,6 +79,7 @@ CASES = [  # plan, ranks, model, rows per data rank, accumulation, how the model
     ("dp_shard=2,ep=2", 2, MOE, 2, 1, "model"),
     ("dp_replicate=2,dp_shard=2", 4, DENSE, 1, 2, "model_init"),
     ("tp=2", 2, DENSE, 4, 1, "meta"),
+    ("dp_replicate=2", 2, DENSE, 2, 2, "meta"),  # DDP: nothing sharded
 ]
 
 
@@ -94,6 +98,7 @@ OWN_LOSS = [  # plan, ranks, rows per data rank, accumulation, what replaces the
     ("cp=2,tp=2,cp_attention=zigzag", 4, 2, 2, "compute_loss"),
     ("dp_shard=2,zero=1", 2, 2, 2, "compute_loss"),
     ("tp=2", 2, 2, 1, "label_smoothing"),
+    ("dp_replicate=2", 2, 2, 2, "compute_loss"),  # DDP around the model's own forward and the caller's loss
 ]
 
 

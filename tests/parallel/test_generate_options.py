@@ -64,6 +64,8 @@ def _generate_like_hf(plan: str, tokenizer_dir: str) -> dict:
         "defaults": ({}, {}),
         "left padding, penalty": ({"attention_mask": mask, "repetition_penalty": 1.3},
                                   {"attention_mask": mask, "repetition_penalty": 1.3}),
+        # no mask given: HF infers it from the pad token (0 here, not an eos) in the prompt
+        "mask from pad tokens": ({"pad_token_id": 0}, {"pad_token_id": 0}),
         "stop strings": ({"stop_strings": [stop], "tokenizer": tok, "eos_token_id": []},
                          {"stop_strings": [stop], "tokenizer": tok, "eos_token_id": None}),
     }

@@ -145,10 +145,13 @@ def test_resume_same_plan_is_bit_identical(dist, saved, plan, world, spec, mater
         # DualPipe's mirror pair saves one copy of each shard (DCP deduplicates) and loads both copies.
         ("pp=2,dp_shard=2,pp_schedule=dualpipe,pp_microbatches=2", 4, "dp_shard=2", 2, TIED),
         ("dp_shard=4,ep=2", 4, "pp=2,dp_shard=2,pp_schedule=dualpipe,pp_microbatches=2", 4, MOE),
+        # DDP (a plan that only replicates) saves plain tensors every rank holds whole, and loads shards
+        ("dp_replicate=2", 2, "tp=2,dp_shard=2", 4, DENSE),
+        ("tp=2,dp_shard=2", 4, "dp_replicate=4", 4, TIED),
     ],
     ids=["tp2dp2-to-pp2cp2", "tp2dp2-to-dp2-on-2-ranks", "pp2dp2-to-tp2hsdp2", "moe-dp4ep2-to-dp2tp2ep2",
          "moe-expert-rows-to-whole-experts", "tied-pp2dp2-to-dp2", "tied-tp2dp2-to-pp2dp2",
-         "tied-dualpipe-to-dp2", "moe-dp4ep2-to-dualpipe"],
+         "tied-dualpipe-to-dp2", "moe-dp4ep2-to-dualpipe", "ddp2-to-tp2dp2", "tied-tp2dp2-to-ddp4"],
 )
 def test_resume_under_another_plan(dist, saved, saved_plan, saved_world, resumed_plan, resumed_world, spec):
     path, before = saved(saved_plan, saved_world, spec)

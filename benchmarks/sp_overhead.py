@@ -1,0 +1,121 @@
+"""Where sequence parallelism's extra CPU goes on gloo: each collective's cost per call, and SP against
+no SP in one world (`python -m benchmarks.sp_overhead [--reps N] [--out FILE]`).
+
+Issue #34 item 2 asks SP (tp=2) to cost within 5% of no SP on CPU. Per block and direction SP issues
+an all-gather and a reduce-scatter at each of the two boundaries where no SP issues one all-reduce;
+the bytes are the same. So SP's CPU depends on what gloo charges per call, measured first: one
+all-reduce of a [B, S, H] activation, the all-gather producing it from sequence shards, and the
+reduce-scatter consuming it, as c10d's op and as the functional op (the one selective activation
+checkpointing keeps, `tensor_parallel.local`). Then three variants of the same step train in one world,
+order rotated per repetition: tp=2 without SP, with SP as meshkit runs it (c10d reduce-scatters but
+under selective AC), and with every reduce-scatter functional (meshkit before this benchmark). The
+ratio is the median over repetitions of (variant / no SP) of that repetition's median step CPU
+(process time, gloo's threads included, summed over both ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import meshkit
+import meshkit.tensor_parallel.local as local
+from benchmarks.launch import run_ranks, seeded_llama
+from benchmarks.report import emit, machine_line, table
+from benchmarks.trainer import MODEL
+from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter, reduce_scatter_single
+
+BATCH, SEQ = 2, 256
+VARIANTS = ("no SP", "SP", "SP, functional reduce-scatters")
+_REDUCE_SCATTER = local._reduce_scatter_sequence
+
+
+def collective_costs(calls: int = 80) -> dict[str, tuple[float, float]]:
+    """On every rank: (CPU ms, wall ms) per call of each collective on one [B, S, H] activation."""
+    torch.set_num_threads(1)
+    tp, hidden = dist.get_world_size(), MODEL["hidden_size"]
+    full = torch.randn(tp * BATCH, SEQ // tp, hidden)  # rank-major, as SP's reduce-scatter input
+    shard, gathered = torch.randn(BATCH, SEQ // tp, hidden), torch.empty(tp * BATCH, SEQ // tp, hidden)
+    out, group = torch.empty(BATCH, SEQ // tp, hidden), dist.group.WORLD
+    ops = {"all-reduce": lambda: dist.all_reduce(full.clone()),
+           "all-gather (c10d)": lambda: all_gather_single(gathered, shard, group),
+           "reduce-scatter (c10d)": lambda: reduce_scatter_single(out, full, group),
+           "reduce-scatter (functional)": lambda: functional_reduce_scatter(full, group)}
+    costs = {}
+    for name, op in ops.items():
+        for _ in range(5):
+            op()
+        dist.barrier()
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(calls):
+            op()
+        costs[name] = ((time.process_time() - cpu) / calls * 1e3, (time.perf_counter() - wall) / calls * 1e3)
+    return costs
+
+
+def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, float]:
+    """On every rank: the median step CPU seconds of `variant` and its last loss."""
+    functional = variant == VARIANTS[2]
+    local._reduce_scatter_sequence = (lambda x, group, size, saved: _REDUCE_SCATTER(x, group, size, True)) \
+        if functional else _REDUCE_SCATTER
+    torch.set_num_threads(1)
+    plan = "tp=2" + (",sequence_parallel=false" if variant == VARIANTS[0] else "")
+    pm = meshkit.parallelize(seeded_llama(MODEL), meshkit.Plan.from_string(plan))
+    pm.check_inputs = False
+    gen, cpu, loss = torch.Generator().manual_seed(0), [], torch.zeros(())
+    for step in range(warmup + steps):
+        ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=gen)
+        dist.barrier()
+        start = time.process_time()
+        loss = pm.forward_backward(ids, ids)
+        if step >= warmup:
+            cpu.append(time.process_time() - start)
+    local._reduce_scatter_sequence = _REDUCE_SCATTER
+    return statistics.median(cpu), float(loss)
+
+
+def measure(reps: int) -> dict[str, Any]:
+    """The per-call costs, then every variant per repetition, order rotated."""
+    costs = run_ranks(collective_costs, 2)
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    losses = {}
+    for rep in range(reps):
+        for variant in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
+            ranks = run_ranks(step_cpu, 2, variant)
+            cpu[variant].append(sum(r[0] for r in ranks))
+            losses[variant] = ranks[0][1]
+    return {"costs": costs, "cpu": cpu, "losses": losses}
+
+
+def report(result: dict[str, Any], reps: int) -> list[str]:
+    """The markdown: per-call costs, then the three variants and their ratio to no SP."""
+    costs, cpu = result["costs"], result["cpu"]
+    lines = ["# Sequence parallelism's CPU on gloo (2 ranks, tp=2)", "", machine_line(),
+             f"- activation [B, S, H] = [{BATCH}, {SEQ}, {MODEL['hidden_size']}] fp32; model: "
+             f"{MODEL['num_hidden_layers']} Llama blocks; {reps} repetitions x 8 timed steps (forward + backward)",
+             "", "## One collective, per call (rank 0; rank 1)", ""]
+    rows = [[name, f"{costs[0][name][0]:.3f}; {costs[1][name][0]:.3f}", f"{costs[0][name][1]:.3f}"]
+            for name in costs[0]]
+    lines += table(["collective", "CPU ms", "wall ms"], rows) + ["", "## One training step", ""]
+    base = cpu[VARIANTS[0]]
+    rows = [[v, f"{result['losses'][v]:.6f}", f"{statistics.median(cpu[v]) * 1e3:.1f}",
+             f"{statistics.median(a / b for a, b in zip(cpu[v], base)):.3f}"] for v in VARIANTS]
+    return lines + table(["variant", "loss", "CPU ms/step (both ranks)", "/ no SP (paired median)"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure and print (with --out, write) the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    emit(report(measure(args.reps), args.reps), args.out)
+
+
+if __name__ == "__main__":
+    main()
