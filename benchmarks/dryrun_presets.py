@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from meshkit.dryrun import dry_run
 from meshkit.dryrun.checkpoint_plan import checkpoint_metadata
@@ -60,7 +61,12 @@ def reestimate(row: dict) -> dict:
     config = load_config(row["preset"])
     plan = dataclasses.replace(Plan.from_string(text), param_dtype="bfloat16", activation_checkpointing=ac)
     plan = plan.resolve(world)
-    workload = Workload(seq, mbs, plan.microbatches)
+    return reestimate_ranks(row, config, plan, world, Workload(seq, mbs, plan.microbatches))
+
+
+def reestimate_ranks(row: dict, config: Any, plan: Plan, world: int, workload: Workload) -> dict:
+    """`row`'s measured ranks with the current estimator's figures for `plan` (shared with
+    benchmarks/dryrun_families.py)."""
     for r in row["ranks"]:
         e = estimate_rank(config, plan, world, workload, r["coords"], r["axes"])
         measured = r.get("compared_collectives") or _without_scalars(r["collectives"], r)
@@ -81,12 +87,8 @@ def table(rows: list[dict]) -> str:
              "collectives | s (CPU s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for r in row["ranks"]:
-            where = f"{r['rank']} (pp {r['coords']['pp']})"
-            equal = "equal" if not r["collective_differences"] else "differ"
             lines.append(f"| {row['preset']} | `{row['plan']}`, AC {row['ac']} | {row['world']} | {row['seq']} | "
-                         f"{where} | {r['peak_bytes'] / GiB:.2f} | {r['estimate_peak_bytes'] / GiB:.2f} | "
-                         f"{r['estimate_peak_bytes'] / r['peak_bytes']:.3f} | {equal} | {r['seconds']:.0f} "
-                         f"({r.get('cpu_seconds', 0):.0f}) |")
+                         f"{rank_cells(r)} |")
     for row in rows:
         ck = row.get("checkpoint")
         if ck:
@@ -95,6 +97,15 @@ def table(rows: list[dict]) -> str:
                          f"{ck['tensors']:,} tensors in {ck['chunks']:,} chunks; its `.metadata` is "
                          f"{ck['metadata_bytes'] / 2**20:.1f} MiB, built by rank 0 in {ck['planning_seconds']:.0f} s.")
     return "\n".join(lines)
+
+
+def rank_cells(r: dict) -> str:
+    """A simulated rank's columns: where it sits, measured and estimated peak, their ratio, whether the
+    collectives are equal, its seconds (shared with benchmarks/dryrun_families.py)."""
+    equal = "equal" if not r["collective_differences"] else "differ"
+    return (f"{r['rank']} (pp {r['coords']['pp']}) | {r['peak_bytes'] / GiB:.2f} | "
+            f"{r['estimate_peak_bytes'] / GiB:.2f} | {r['estimate_peak_bytes'] / r['peak_bytes']:.3f} | {equal} | "
+            f"{r['seconds']:.0f} ({r.get('cpu_seconds', 0):.0f})")
 
 
 def main() -> None:

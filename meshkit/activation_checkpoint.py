@@ -28,6 +28,7 @@ from meshkit._compat.checkpointing import (
     exit_hidden_from_selective_checkpoint,
     selective_checkpoint_contexts,
 )
+from meshkit.context_parallel.kernels import ATTENTION_BLOCK_OP
 
 # The activation_checkpointing values a Plan takes: nothing saved recomputed ("none"), the
 # matmul / attention / collective outputs kept and the rest recomputed ("selective"), only each
@@ -45,6 +46,9 @@ def _saved_ops() -> set:
         "_scaled_dot_product_cudnn_attention",
     ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    # meshkit's attention op (Ulysses' local kernel, packed documents without CP): recomputing it
+    # re-ran the whole attention and, under Ulysses, its all-to-alls' inputs (found by the dry run)
+    ops.add(ATTENTION_BLOCK_OP)
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None and hasattr(functional, "reduce_scatter_tensor"):
         ops.add(functional.reduce_scatter_tensor.default)

@@ -10,8 +10,7 @@ import sys
 
 from meshkit.dryrun import dry_run
 from meshkit.dryrun.report import render
-from meshkit.estimate.report import add_plan_args, build_parser, plan_and_workload
-from meshkit.estimate.spec import load_config
+from meshkit.estimate.report import add_plan_args, build_parser, config_from_args, plan_and_workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        config = load_config(args.model)
+        config = config_from_args(args)  # --lora-r: the model as PEFT's LoRA model
         plan, workload = plan_and_workload(args)
         result = dry_run(config, plan, args.world, workload, args.rank, jobs=args.jobs, progress=progress)
     except ValueError as e:  # a plan, model or rank that cannot run: the message names the fix

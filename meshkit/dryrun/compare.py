@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshkit.data_parallel.rules import replicates_with_ddp
 from meshkit.dryrun.measure import axis_name
 from meshkit.dryrun.memory import PARTS
 from meshkit.estimate.comm import communication
@@ -48,7 +49,8 @@ def estimate_rank(config: Any, plan: Plan, world: int, workload: Workload, coord
     whole = estimate(config, plan, world, workload)
     pp_rank = coords["pp"]
     in_flight = whole.sim.peak_activations[pp_rank] if whole.sim is not None else 1
-    mem = rank_memory(config, plan, workload, pp_rank, in_flight, tp_rank=coords["tp"], fsdp_rank=coords["fsdp"])
+    mem = rank_memory(config, plan, workload, pp_rank, in_flight, tp_rank=coords["tp"], fsdp_rank=coords["fsdp"],
+                      cp_rank=coords["cp"])
     s = mem.state
     at_step = mem.moment == "optimizer"
     parts = {"parameters": s.param_bytes, "gradients": s.grad_bytes if at_step else mem.grads_held,
@@ -64,6 +66,12 @@ def estimate_rank(config: Any, plan: Plan, world: int, workload: Workload, coord
         name = axis_name(axes[c.axis], axes) if c.axis in axes else c.axis
         kind = collectives.setdefault(name or c.axis, {})
         kind[c.kind] = kind.get(c.kind, 0) + int(c.calls * c.buffer)
+    if replicates_with_ddp(plan) and "dp_replicate" in axes:
+        # Not the estimator's: the dry run's DDP looks for unused parameters (`_compat.replicate`, a fake
+        # world cannot rebuild buckets), all-reducing an int32 per parameter tensor as a window syncs
+        name = axis_name(axes["dp_replicate"], axes) or "dp_replicate"
+        kind = collectives.setdefault(name, {})
+        kind["all_reduce"] = kind.get("all_reduce", 0) + 4 * s.trained_tensors
     return RankEstimate(mem.peak, {p: parts[p] for p in PARTS}, collectives, in_flight)
 
 

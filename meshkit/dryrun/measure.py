@@ -26,7 +26,7 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 #: The names a collective's group is reported under, the first that is that group winning: FSDP's
 #: axis first (as `CommCounter` does), then the estimator's other axes, the derived ones last.
-AXIS_NAMES = ("dp_shard_cp", "tp", "cp", "pp", "dp_replicate", "ep", "ep_fsdp", "dp_cp_tp", "pp_cp_tp", "dp",
+AXIS_NAMES = ("dp_shard_cp", "tp", "cp", "pp", "pp_ends", "pp_mirror", "dp_replicate", "ep", "ep_fsdp", "dp_cp_tp", "pp_cp_tp", "dp",
               "dp_cp", "cp_ulysses", "cp_ring")
 _ALIASES = {"cp_ulysses": "cp", "cp_ring": "cp"}  # USP's two parts: the estimator's cp rows
 
@@ -92,6 +92,9 @@ def axis_groups(mesh, plan: Plan) -> dict[str, list[int]]:
     Collective where the expert or USP axes are new: every rank calls it."""
     out = {name: dist.get_process_group_ranks(axis(mesh, name).get_group())
            for name in (*AXES, "dp_shard_cp", "dp_cp_tp", "pp_cp_tp", "dp", "dp_cp")}
+    pp = out["pp"]  # pp-ordered: a tied embedding's first and last stage, DualPipe's mirror pair
+    mine = pp.index(dist.get_rank())
+    out["pp_ends"], out["pp_mirror"] = [pp[0], pp[-1]], sorted({pp[mine], pp[-1 - mine]})
     if plan.ep > 1:
         ep, ep_fsdp = expert_axes(mesh, plan.ep)
         out["ep"], out["ep_fsdp"] = (dist.get_process_group_ranks(_group(m)) for m in (ep, ep_fsdp))

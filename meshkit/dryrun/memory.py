@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from meshkit._compat.checkpointing import in_backward
 from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit._compat.fake import is_fake
+from meshkit._compat.subclasses import flatten, is_wrapper_subclass
 
 LARGEST = 12  # allocations listed with the peak (the largest live ones)
 PARTS = ("parameters", "gradients", "optimizer", "activations", "fsdp_buffers", "temporaries")
@@ -152,7 +153,8 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
     def adopt(self, tensors: Iterable[torch.Tensor], part: str) -> None:
         """Register storages that exist already (a model materialised before tracking began)."""
         for t in tensors:
-            self._see(_local(t).untyped_storage(), part=part)
+            for inner in _data(t):
+                self._see(inner.untyped_storage(), part=part)
 
     @property
     def live_bytes(self) -> int:
@@ -176,9 +178,10 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
         known = {}
         for part, tensors in (("optimizer", optimizer_state), ("gradients", gradients), ("parameters", parameters)):
             for t in tensors:
-                entry = self._live.get(_local(t).untyped_storage()._cdata)
-                if entry is not None:
-                    known[entry[0]] = part
+                for inner in _data(t):
+                    entry = self._live.get(inner.untyped_storage()._cdata)
+                    if entry is not None:
+                        known[entry[0]] = part
         parts_of = {i: p for i, (_, p) in self._baseline.items()} | self._parts
         for i, part in parts_of.items():
             if i in known:
@@ -207,3 +210,12 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _data(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding `t`'s values: a wrapper subclass's inner ones (float8 training wraps each
+    projection weight's shard; its own storage holds nothing, and the dry run missed the shards)."""
+    t = _local(t)
+    if not is_wrapper_subclass(t) or is_fake(t):
+        return [t]
+    return [x for inner in flatten(t)[0].values() if isinstance(inner, torch.Tensor) for x in _data(inner)]

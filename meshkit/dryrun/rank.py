@@ -24,6 +24,7 @@ from meshkit._compat.fake import is_fake_world, join_fake_world
 from meshkit.dryrun.measure import Batches, Measured, measure_step
 from meshkit.dryrun.values import HostValues
 from meshkit.estimate.spec import Workload
+from meshkit.integrations.peft import model as peft_model
 from meshkit.mesh import AXES, axis
 from meshkit.plan import Plan
 
@@ -81,7 +82,7 @@ def parallelize_on_meta(config: Any, plan: Plan) -> meshkit.ParallelModel:
     real mesh and shards, no storage yet (`materialise` under fake tensors gives it shapes)."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = peft_model.wrap(transformers.AutoModelForCausalLM.from_config(config), config)  # --lora-r
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # offload on a CPU run: "saves nothing here"
         return meshkit.parallelize(model, plan)

@@ -15,7 +15,7 @@ from typing import Any
 from meshkit.data_parallel.replicate import BUCKET_MB
 from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import moe
-from meshkit.estimate.memory import stage_ranks
+from meshkit.estimate.memory import float8_weights_per_block, stage_ranks
 from meshkit.estimate.spec import Device, ModelState, Workload, dtype_bytes
 from meshkit.estimate.zero import gathered_bytes
 from meshkit.mesh import AXES
@@ -68,7 +68,7 @@ def axis_link(plan: Plan, axis: str, device: Device) -> tuple[str, float]:
     else:
         peers = "pp" if plan.pp > 1 else ("cp" if plan.cp > 1 else "tp")  # pp_cp_tp: its outermost axis above 1
         outer = {"dp_shard_cp": "dp_shard", "ep_fsdp": "dp_shard", "dp_cp_tp": "dp_replicate",
-                 "pp_cp_tp": peers}.get(axis, axis)
+                 "pp_cp_tp": peers, "pp_ends": "pp", "pp_mirror": "pp"}.get(axis, axis)
         span = math.prod(getattr(plan, a) for a in AXES[AXES.index(outer):])
     if span <= device.gpus_per_node:
         return "nvlink", device.nvlink_bw
@@ -276,6 +276,16 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             add("dp_replicate", "all_reduce", "HSDP: expert gradient shards", syncs * moe_blocks,
                 unit * red / shards, rep, t_bwd)
 
+    if plan.float8 == "tensorwise" and fsdp_applied:  # the weights' scales for the float8 all-gathers: the
+        # stacked amaxes (fp32, one per converted weight) of each stage, reduced before its every forward
+        per_block = float8_weights_per_block(config, plan.tp)
+        weights = sum(b.count * per_block.get(b.kind, 0) for b in state.block_units)
+        # over every axis the weights are sharded on: FSDP's, and under TP FSDP's with tp in one group
+        # (checked by the dry run without HSDP)
+        axis = "dp_shard_cp" if plan.tp == 1 else "dp_cp_tp"
+        add(axis, "all_reduce", "float8: weight amaxes before each forward", m, 4 * weights,
+            plan.dp_shard * plan.cp * plan.tp, None)
+
     if plan.cp > 1:
         kind = getattr(plan, "cp_attention", "zigzag")
         uly = getattr(plan, "ulysses_degree", plan.cp if kind == "ulysses" else 1)
@@ -346,9 +356,10 @@ def communication(config: Any, plan: Plan, workload: Workload, device: Device, s
             c = out[-1]
             out[-1] = dataclasses.replace(c, exposed=2 * (plan.pp - 1) * c.time(lat) / c.calls)
         if state.tied_copy_elements:  # first and last stage sum their tied-embedding copies' gradients
-            add("pp", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
+            # a group of two: pp ranks 0 and pp-1 alone (the whole pp axis only when pp = 2)
+            add("pp_ends", "all_reduce", "tied embedding: gradients of the first and last stage's copies",
                 shard_sums, state.tied_copy_elements * (state.param_bytes // max(state.params, 1)), 2, None)
         if chains == 2:  # DualPipe: pp ranks r and pp-1-r hold the same layers; one flat fp32 all-reduce
-            add("pp", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
+            add("pp_mirror", "all_reduce", "DualPipe: every gradient, summed over the mirror pair's two copies", shard_sums,
                 (state.trained_params + state.trained_tensors) * 4, 2, None)  # + one presence flag per tensor
     return out

@@ -19,6 +19,7 @@ from typing import Any
 
 from meshkit.estimate.spec import ParamSpec, Workload, dtype_bytes
 from meshkit.pipeline.actions import COMPUTE_KINDS
+from meshkit.pipeline.costs import given
 from meshkit.pipeline.schedules import build_schedule
 from meshkit.plan import Plan
 
@@ -34,6 +35,10 @@ class StageBytes:
     transient: int = 0   # on top while its backward runs (loss backward or a block's recompute)
     last: bool = False   # the stage holding the loss
     weight_transient: int = 0  # on top while its W runs: the largest weight gradient it computes
+    # What W leaves in the unsharded weights' `.grad` (compute dtype) under FSDP: its post-backward, which
+    # folds them into the reduce-dtype accumulation, ran in B, so they wait for the next B (dry run)
+    weight_grads: int = 0
+    end_transient: int = 0  # on top as its backward ends (its first block's recompute)
 
 
 @dataclass(frozen=True)
@@ -46,40 +51,63 @@ class Held:
     transient: int
     loss: bool
     pairs: int  # stage-microbatch pairs whose activations were alive (forward done, backward not)
+    carried: int = 0  # the call's unreduced gradients, once the rank's first backward made them
 
     @property
     def total(self) -> int:
         """Bytes of the moment."""
-        return self.activations + self.deferred_grads + self.transient
+        return self.activations + self.deferred_grads + self.transient + self.carried
 
 
 @functools.lru_cache(maxsize=256)
-def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], ...]:
-    return tuple((a.kind.value, a.stage) for a in build_schedule(schedule, pp, m, v).ranks[rank]
-                 if a.kind in COMPUTE_KINDS)
+def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int, costs: tuple[float, ...] = (),
+                     memory_limit: int | None = None) -> tuple[tuple[str, int], ...]:
+    # zb_auto is built as the runtime builds it: at the plan's `pp_costs` and `pp_memory_limit` (without
+    # them the runtime times its first call and rebuilds from the measured costs, which no estimate knows)
+    built = build_schedule(schedule, pp, m, v, costs=given(costs) if costs else None, memory_limit=memory_limit)
+    return tuple((a.kind.value, a.stage) for a in built.ranks[rank] if a.kind in COMPUTE_KINDS)
 
 
-def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
+def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int = 0, carried_w: int = 0) -> Held:
     """Replay `pp_rank`'s compute actions under the plan's schedule with `stages`' bytes (by global
-    stage); return the largest moment (after a forward, or as a backward starts with its transient)."""
-    actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank)
+    stage); return the largest moment (after a forward, as a backward starts with its transient, or as
+    the rank's first backward ends). `carried`: the unreduced gradients FSDP accumulates over the
+    call, which exist from the rank's first backward on (before it, nothing has made them: under GPipe
+    the peak is that backward's end, one microbatch's activations freed, measured by the dry run).
+    `carried_w` of them, the deferred linears' under a B/W split, only once a B ends after the rank's
+    first W (or a whole BW ends): W leaves them in `.grad`, and FSDP folds them in at the next B's
+    post-backward (under ZB-H2 the last stage peaks at a loss backward before that)."""
+    actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank,
+                               plan.pp_costs, plan.pp_memory_limit)
     act = grads = pairs = 0
+    weighed: set[int] = set()  # stages whose W has run: their weights' `.grad` is alive from then on
+    late, backward, folded = 0, False, None  # the carried gradients made so far
     best = Held(0, 0, 0, False, 0)
     for kind, s in actions:
         b = stages[s]
         if kind in ("B", "BW"):
-            best = max(best, Held(act, grads, b.transient, b.last, pairs), key=lambda h: h.total)
+            best = max(best, Held(act, grads, b.transient, b.last, pairs, late), key=lambda h: h.total)
         elif kind == "W":
-            best = max(best, Held(act, grads, b.weight_transient, False, pairs), key=lambda h: h.total)
+            best = max(best, Held(act, grads, b.weight_transient, False, pairs, late), key=lambda h: h.total)
         if kind == "F":
             act, pairs = act + b.activations, pairs + 1
         elif kind == "B":
             act, grads, pairs = act - b.activations + b.deferred_inputs, grads + b.deferred_grads, pairs - 1
         elif kind == "W":
             act, grads = act - b.deferred_inputs, grads - b.deferred_grads
+            if s not in weighed:
+                weighed.add(s)
+                grads += b.weight_grads
         else:  # BW
             act, pairs = act - b.activations, pairs - 1
-        best = max(best, Held(act, grads, 0, False, pairs), key=lambda h: h.total)
+        if kind == "W" and folded is None:
+            folded = False  # W's gradients wait for the next B's post-backward
+        elif (kind == "B" and folded is False) or (kind == "BW" and not folded):  # a BW makes and folds them
+            folded, late = True, late + carried_w
+        if kind in ("B", "BW") and not backward:
+            backward, late = True, late + carried - carried_w
+            best = max(best, Held(act, grads, b.end_transient, False, pairs, late), key=lambda h: h.total)
+        best = max(best, Held(act, grads, 0, False, pairs, late), key=lambda h: h.total)
     return best
 
 
@@ -88,6 +116,12 @@ def largest_weight(plan: Plan, specs: Iterable[ParamSpec], kind: str) -> int:
     sizes = [spec.shape[0] * spec.shape[1] // (plan.tp if spec.tp_dim is not None else 1) for spec in specs
              if spec.unit == "block" and spec.kind == kind and len(spec.shape) == 2]
     return max(sizes, default=0) * dtype_bytes(plan.param_dtype)
+
+
+def weight_bytes(plan: Plan, specs: Iterable[ParamSpec], kind: str) -> int:
+    """Bytes of every weight gradient a W computes for one block of `kind` (compute dtype, TP shard)."""
+    return sum(spec.shape[0] * spec.shape[1] // (plan.tp if spec.tp_dim is not None else 1) for spec in specs
+               if spec.unit == "block" and spec.kind == kind and len(spec.shape) == 2) * dtype_bytes(plan.param_dtype)
 
 
 def deferred_bytes(config: Any, plan: Plan, workload: Workload, specs: Iterable[ParamSpec], kind: str) -> tuple[int, int]:

@@ -215,6 +215,13 @@ def float8_params_per_layer(config: Any) -> float:
     return sum(per_kind[k] for k in kinds) / layers
 
 
+def float8_weights_per_block(config: Any, tp: int) -> dict[str, int]:
+    """Weight tensors `Plan.float8` converts in one block of each kind: with "tensorwise", their amaxes
+    ride one all-reduce before each stage forward (`float8.convert.apply_float8_scales`)."""
+    specs = param_specs(config)[0]
+    return {k: sum(1 for s in specs if s.kind == k and _float8_converted(s, tp)) for k in moe.KINDS}
+
+
 def model_state(config: Any, plan: Plan, *, pp_rank: int = 0, tp_rank: int = 0, fsdp_rank: int = 0,
                 param_bytes: int = 4) -> ModelState:
     """Exact for the visible local shards (`p.to_local()`), which tests check on a CPU mesh; FSDP2

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from meshkit.data_parallel.rules import replicates_with_ddp
+from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import activations as acts
 from meshkit.estimate.inflight import (
     Held,
@@ -24,6 +24,7 @@ from meshkit.estimate.inflight import (
     head_deferred_bytes,
     largest_weight,
     replay,
+    weight_bytes,
 )
 from meshkit.estimate.memory import (
     block_activations,
@@ -118,10 +119,11 @@ def allgather_kv_bytes(config: Any, plan: Plan, workload: Workload) -> int:
 
 
 def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_flight: int = 1, *,
-                tp_rank: int = 0, fsdp_rank: int = 0) -> RankMemory:
+                tp_rank: int = 0, fsdp_rank: int = 0, cp_rank: int | None = None) -> RankMemory:
     """The peak of pipeline rank `pp_rank`, holding `in_flight` (stage, microbatch) pairs' activations
     at once (the pipeline simulator's peak for that rank; 1 without pipelining); its shards are those
-    of `tp_rank` and `fsdp_rank` (uneven splits differ by a row per tensor)."""
+    of `tp_rank` and `fsdp_rank` (uneven splits differ by a row per tensor); `cp_rank` (default: the
+    last, the most) sets how many ring steps' outputs selective AC keeps."""
     plan = plan.resolve_cp(config)  # "auto" / unset keep-K/V: the kind parallelize runs
     state = model_state(config, plan, pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
     seq, ac, sp = workload.seq // plan.cp, plan.activation_checkpointing, plan.sequence_parallel
@@ -131,7 +133,7 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     stages = stage_kinds(config, plan)[pp_rank]
     on_rank = sorted({k for stage in stages for k in stage})
     per_kind = {k: _cp_adjusted(block_activations(config, sequence_parallel=sp, ac=ac, kind=k, **kw),
-                                config, plan, workload) for k in on_rank}
+                                config, plan, workload, cp_rank) for k in on_rank}
     recompute = max((recompute_working_set(config, sequence_parallel=sp, ac=ac, kind=k, **kw)
                      for k in on_rank), default=0)
     # In-flight pairs may be of any of the rank's stages: the one holding the most bytes sets the peak.
@@ -146,14 +148,24 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
                                    grads_held=held_grads, head_freed=sum(head.values()))]
     loss = acts.loss_transient(config, loss_parallel=plan.loss_parallel, **kw) if last else 0
     if plan.pp > 1:  # the schedule's largest moment, by replaying the rank's actions with their bytes
-        pipe = replay(plan, pp_rank, _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head,
-                                                  loss, recompute))
+        # a window's earlier calls left their unreduced gradients; this call's appear with its first backward
+        early = carried if workload.calls(plan) > 1 and plan.grad_sync == "last_microbatch" else 0
+        stage_bytes = _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head, loss, recompute)
+        # under a B/W split the deferred linears' gradients (reduce dtype) come with W, the rest with B
+        deferred = sum(b.weight_grads for b in stage_bytes.values()) * dtype_bytes(plan.reduce_dtype) \
+            // dtype_bytes(plan.param_dtype)
+        pipe = replay(plan, pp_rank, stage_bytes, carried - early, min(deferred, carried - early))
         moments = [dataclasses.replace(memory, moment="loss" if pipe.loss else "block", pipeline=pipe,
                                        in_flight=pipe.pairs, transient=pipe.transient + pipe.deferred_grads,
-                                       fsdp_buffers=(kept if pipe.loss else moving) + carried, grads_held=held_grads)]
+                                       fsdp_buffers=(kept if pipe.loss else moving) + early + pipe.carried,
+                                       grads_held=held_grads)]
     elif last:
         moments.append(dataclasses.replace(memory, moment="loss", transient=loss, fsdp_buffers=kept + carried,
                                            grads_held=held_grads))
+    if options.full_grads and plan.pp == 1:  # ZeRO-1: a call's backward ends with every unit's unreduced
+        # gradient beside the gathered parameters, its activations gone (a window's own accumulation, if any)
+        moments.append(dataclasses.replace(memory, moment="block", held={}, in_flight=0, head={}, fsdp_buffers=kept
+                                           + max(options.full_grads, carried), grads_held=held_grads))
     if not options.host:  # AdamW's step (foreach): a square root of the second moments beside the state
         moments.append(dataclasses.replace(memory, moment="optimizer", transient=state.param_bytes))
     if plan.activation_offload:  # what autograd saves: every activation, or under AC the block inputs
@@ -176,6 +188,8 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     specs = param_specs(config)[0] if split else ()
     deferred = {k: deferred_bytes(config, plan, workload, specs, k) for k in per_kind} if split else {}
     weights = {k: largest_weight(plan, specs, k) for k in per_kind} if split else {}
+    fsdp = shards_with_fsdp(plan)
+    stage_weights = {k: weight_bytes(plan, specs, k) for k in per_kind} if split and fsdp else {}
     # A stage's output ([mbs, s/cp, h], this rank's s/tp under SP) stays in the runtime's outputs until
     # the microbatch's backward is called on it; no block saves it (measured by the dry run: one
     # residual-stream tensor per in-flight microbatch on every stage but the last).
@@ -188,17 +202,19 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
             (sum(head.values()) if last else output)
         transient = loss if last else recompute
         if not split:
-            out[stage] = StageBytes(activations, transient=transient, last=last)
+            out[stage] = StageBytes(activations, transient=transient, last=last, end_transient=recompute)
             continue
         inputs = sum(n * deferred[k][0] for k, n in kinds.items())
         grads = sum(n * deferred[k][1] for k, n in kinds.items())
         weight = max((weights[k] for k in kinds), default=0)
         # B holds a block's output gradients for W as it goes: the first block's are on top at once
         transient += max((deferred[k][1] for k in kinds), default=0)
+        held = sum(n * stage_weights.get(k, 0) for k, n in kinds.items())
         if last:
             head_in, head_grad, head_weight = head_deferred_bytes(config, plan, workload)
             inputs, grads, weight = inputs + head_in, grads + head_grad, max(weight, head_weight)
-        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight)
+            held += head_weight if fsdp else 0
+        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight, held, recompute)
     return out
 
 
@@ -218,7 +234,7 @@ def _gradients_held(plan: Plan, workload: Workload, state: ModelState, options: 
         return state.grad_bytes, 0
     if not options.sharded:
         return (state.grad_bytes if calls > 1 or plan.pp > 1 else 0), 0
-    per_call = plan.grad_sync == "every_microbatch" and plan.zero != 1
+    per_call = plan.grad_sync == "every_microbatch"  # ZeRO-1 too: a reduce-scatter after each call's backward
     carried = options.full if plan.pp > 1 or (calls > 1 and not per_call) else 0
     return (state.grad_bytes if calls > 1 and per_call else 0), carried
 
@@ -251,13 +267,29 @@ def _fsdp_gathered(config: Any, plan: Plan, state: ModelState) -> tuple[int, int
     return gathered_bytes(plan, last, last_float8), 2 * gathered_bytes(plan, unit, unit_float8) + unit * (act + red)
 
 
-def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload) -> dict[str, int]:
+def ring_outputs_kept(plan: Plan, cp_rank: int | None) -> tuple[int, int]:
+    """(numerator, denominator) of the local (out, lse) a ring rank computes over its steps, each kept
+    by selective AC: under causal attention the contiguous layout's rank r computes r + 1 blocks (later
+    ones are masked whole and skipped); the zig-zag rank r its diagonal, r whole blocks and, from later
+    ranks, its second half's queries only (half an output each). USP's ring runs over cp / ulysses ranks
+    (cp rank = ring rank x ulysses + ulysses rank). Default: the ring's last rank, which computes every
+    block whole. Measured by the dry run (rank 0 of a ring of 4 keeps 1, of a zig-zag 2.5, not 4)."""
+    ring = plan.cp // plan.ulysses_degree
+    r = ring - 1 if cp_rank is None else cp_rank // plan.ulysses_degree
+    if plan.cp_layout == "contiguous":
+        return r + 1, 1
+    return 2 + 2 * r + (ring - 1 - r), 2
+
+
+def _cp_adjusted(per_block: dict[str, int], config: Any, plan: Plan, workload: Workload,
+                 cp_rank: int | None = None) -> dict[str, int]:
     """One block's bytes with what the plan's CP kind keeps beyond the traced SDPA call."""
     kind = getattr(plan, "cp_attention", "zigzag")
     ac = plan.activation_checkpointing
     if ac == "selective" and plan.cp > 1 and kind in ("ring", "zigzag", "usp"):
         # meshkit's policy saves every kernel output, so each ring step's partial (out, lse) is kept
-        per_block["attention"] = per_block.get("attention", 0) * plan.cp
+        num, den = ring_outputs_kept(plan, cp_rank)
+        per_block["attention"] = per_block.get("attention", 0) * num // den
     elif ac == "selective" and plan.cp > 1 and kind == "allgather":
         # two kernel calls per local query chunk (key prefix, causal diagonal), each output kept
         per_block["attention"] = per_block.get("attention", 0) * 2

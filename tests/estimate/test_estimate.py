@@ -281,7 +281,8 @@ def test_communication_matches_comm_counter(mesh_runs, key: str) -> None:
         for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
             if c.axis == "pp_cp_tp":  # the input checks' batch signature: these runs check no inputs
                 continue
-            label = f"{c.kind}@{c.axis}"
+            # the tied copies' and DualPipe's pairs of pp ranks: the whole pp axis at pp=2
+            label = f"{c.kind}@{'pp' if c.axis in ('pp_ends', 'pp_mirror') else c.axis}"
             predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
         counted = {k: v for k, v in r["comm"].items()
                    if k.split("@")[1] in ("tp", "dp_shard_cp", "dp_replicate", "cp", "pp") and v > 64}  # no scalars
@@ -348,7 +349,8 @@ def test_moe_communication_matches_comm_counter(moe_runs, key: str) -> None:
         for c in est.communication(config, plan, _mesh_workload(plan), est.DEVICES["h100"], state, 1.0, 0.0):
             if c.axis == "pp_cp_tp":  # the input checks' batch signature: these runs check no inputs
                 continue
-            label = f"{c.kind}@{c.axis}"
+            # the tied copies' and DualPipe's pairs of pp ranks: the whole pp axis at pp=2
+            label = f"{c.kind}@{'pp' if c.axis in ('pp_ends', 'pp_mirror') else c.axis}"
             predicted[label] = predicted.get(label, 0) + c.calls * c.buffer
         # With ep = dp_shard x cp the ep group is the FSDP group (CommCounter names it dp_shard_cp):
         # all-to-alls are the experts' here (no Ulysses).

@@ -154,8 +154,9 @@ def test_plan_search_knows_lora() -> None:
     for cand in tuned.plans:
         again = est.estimate(lora, cand.plan, 8, cand.workload, device)
         assert again.peak_bytes <= plan_search.budget(device) and again.step_time == cand.estimate.step_time
-    peak = min(c.estimate.peak_bytes for c in tuned.plans)
-    assert not full.plans or peak < min(c.estimate.peak_bytes for c in full.plans)
+    # plan for plan (the two searches' fastest five need not share their lowest peak)
+    for cand in full.plans:
+        assert est.estimate(lora, cand.plan, 8, cand.workload, device).peak_bytes < cand.estimate.peak_bytes, cand.plan
     mqa = with_lora(_config(dict(SEARCH_MODEL, num_key_value_heads=1)), 8, TARGETS)
     assert all(c.plan.tp == 1 for c in plan_search.search(mqa, 4, 512, 16 * 512, device, top=50).plans)
 
