@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from meshkit._compat.fake import is_fake_world
 from meshkit.local_tensor import local_tensor
 from meshkit.step.consensus import raise_if_any
 
@@ -119,6 +120,9 @@ class NVMeStore:
         self.bytes_written = 0
         self.peak_resident_bytes = 0
         self.reserved = 0
+        # The dry run's fake world: the state's storages grow and shrink as they would (its memory is
+        # measured), but there are no values to move and no file to fill.
+        self.simulated = is_fake_world()
         self._reserve(reserve_bytes)
 
     # ----------------------------------------------------------------- files
@@ -129,6 +133,8 @@ class NVMeStore:
     def _read(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
         for pid, key, t in items:
             t.untyped_storage().resize_(t.numel() * t.element_size())
+            if self.simulated:
+                continue
             view = _bytes_of(t)
             got = os.preadv(self.fd, [view], self.regions[(pid, key)])
             if got != len(view):
@@ -136,6 +142,8 @@ class NVMeStore:
             self.bytes_read += got
 
     def _write(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
+        if self.simulated:
+            return
         for pid, key, t in items:
             data = _bytes_of(t)
             written = os.pwrite(self.fd, data, self.regions[(pid, key)])
@@ -224,7 +232,7 @@ class NVMeStore:
 
     def _reserve(self, size: int) -> None:
         """Grow the file to `size` bytes with its blocks allocated, so a full disk fails here, not mid-write."""
-        if size <= self.reserved:
+        if size <= self.reserved or self.simulated:
             return
         try:
             os.posix_fallocate(self.fd, 0, size)
@@ -293,7 +301,7 @@ def apply_nvme_offload(parts: list[nn.Module], offload_dir: str, device: torch.d
     need = STATE_BYTES_PER_PARAM * sum(local_tensor(p).numel() for unit in units for p in unit)
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(offload_dir, f"meshkit-optimizer-state-rank{rank:05d}.bin")
-    problem, store = dir_problem(offload_dir, need), None
+    problem, store = dir_problem(offload_dir, None if is_fake_world() else need), None
     if problem is None:
         try:
             store = NVMeStore(units, path, need)
