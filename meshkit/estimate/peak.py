@@ -28,6 +28,7 @@ from meshkit.estimate.inflight import (
 )
 from meshkit.estimate.memory import (
     block_activations,
+    chunk_of_stage,
     edge_ranks,
     model_state,
     param_specs,
@@ -182,7 +183,9 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     """Each of the rank's stages, one microbatch: its activations, what a B/W schedule defers to W
     (`inflight.deferred_bytes`), and its backward's transient."""
     placement = stage_ranks(plan)
-    last_stage = len(placement) - 1
+    # The stages running the last chunk end in the head and the loss: under DualPipe two of them, one per
+    # direction (pp rank pp-1's and, its mirror, rank 0's), not only the last stage id (found by the dry run).
+    chunks = chunk_of_stage(plan)
     split = any(kind == "W" for kind, _ in _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches,
                                                              plan.pp_stages_per_rank, pp_rank))
     specs = param_specs(config)[0] if split else ()
@@ -197,7 +200,7 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     output = workload.mbs * (workload.seq // plan.cp) // sp * config.hidden_size * dtype_bytes(plan.param_dtype)
     out = {}
     for stage, kinds in zip(stages_of_rank(pp_rank, placement), stage_kinds(config, plan)[pp_rank]):
-        last = stage == last_stage
+        last = chunks[stage] == max(chunks)
         activations = sum(n * sum(per_kind[k].values()) for k, n in kinds.items()) + shared + \
             (sum(head.values()) if last else output)
         transient = loss if last else recompute
