@@ -33,6 +33,16 @@ def test_no_meshkit_file_is_over_450_lines():
     assert not long, f"split these by concept: {long}"
 
 
+def test_test_modules_have_unique_names():
+    """pytest imports test files by basename (no packages under tests/): two of one name stop the whole
+    suite at collection (tests/dryrun/test_families.py once shadowed tests/models/test_families.py)."""
+    names = defaultdict(list)
+    for p in _python_files("tests"):
+        if p.name.startswith("test_"):
+            names[p.name].append(str(p.relative_to(ROOT)))
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}
+
+
 def test_no_file_name_is_reserved_on_windows():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     files = tracked or [str(p.relative_to(ROOT)) for p in _python_files("meshkit", "tests", "recipes", "benchmarks")]
