@@ -14,13 +14,12 @@ the estimate byte for byte, and the seconds the rank took. No GPU is used.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
 from pathlib import Path
 
-from benchmarks.dryrun_presets import rank_cells, reestimate_ranks
+from benchmarks.dryrun_presets import parse_args, rank_cells, reestimate_ranks
 from meshkit.dryrun import dry_run
 from meshkit.estimate.spec import Workload, load_config
 from meshkit.integrations.peft.model import with_lora
@@ -106,15 +105,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     """Run the families (all, or `--only`), append their JSON to `--json`, write the table to `--out`."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", choices=sorted(FAMILIES), help="families to run (default: all)")
-    parser.add_argument("--jobs", type=int, default=2, help="ranks simulated at once")
-    parser.add_argument("--json", default="benchmarks/results/dryrun_families.jsonl",
-                        help="raw results, one JSON object per family (appended; the table reads the latest of each)")
-    parser.add_argument("--out", default="benchmarks/results/dryrun_families.md")
-    parser.add_argument("--reestimate", action="store_true",
-                        help="run nothing: recompute the estimates of the stored measurements (after an estimator change)")
-    args = parser.parse_args()
+    args = parse_args(__doc__, list(FAMILIES), "dryrun_families", "family")
     raw = Path(args.json)
     for name in [] if args.reestimate else args.only or list(FAMILIES):
         row = run(name, args.jobs)

@@ -108,17 +108,23 @@ def rank_cells(r: dict) -> str:
             f"{r['seconds']:.0f} ({r.get('cpu_seconds', 0):.0f})")
 
 
-def main() -> None:
-    """Run the presets (all, or `--only`), append their JSON to `--json`, write the table to `--out`."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", choices=sorted(REFERENCE), help="presets to run (default: all)")
+def parse_args(doc: str, names: list[str], results: str, what: str) -> argparse.Namespace:
+    """The flags of a dry-run table benchmark (this one and benchmarks/dryrun_families.py): `--only` one of
+    `names` (repeatable), `--jobs`, `--json` / `--out` under benchmarks/results/`results`, `--reestimate`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=sorted(names), help=f"{what}s to run (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="ranks simulated at once")
-    parser.add_argument("--json", default="benchmarks/results/dryrun_presets.jsonl",
-                        help="raw results, one JSON object per preset (appended; the table reads them all)")
-    parser.add_argument("--out", default="benchmarks/results/dryrun_presets.md")
+    parser.add_argument("--json", default=f"benchmarks/results/{results}.jsonl",
+                        help=f"raw results, one JSON object per {what} (appended; the table reads the latest of each)")
+    parser.add_argument("--out", default=f"benchmarks/results/{results}.md")
     parser.add_argument("--reestimate", action="store_true",
                         help="run nothing: recompute the estimates of the stored measurements (after an estimator change)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Run the presets (all, or `--only`), append their JSON to `--json`, write the table to `--out`."""
+    args = parse_args(__doc__, list(REFERENCE), "dryrun_presets", "preset")
     raw = Path(args.json)
     for name in [] if args.reestimate else args.only or list(REFERENCE):
         row = run(name, args.jobs)
