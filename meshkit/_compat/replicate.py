@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.nn.parallel import DistributedDataParallel
 
+from meshkit._compat.fake import is_fake_world
+
 
 def _sum_hook(group, bucket):  # unannotated: DDP compares annotations with its own objects, not strings
     """All-reduce a bucket as a plain SUM. DDP's own hook divides by the group's size, and meshkit's loss
@@ -37,7 +39,7 @@ def replicate_summing(module: nn.Module, group: dist.ProcessGroup, bucket_cap_mb
     # check and broadcast (the dry run measures the step, which set-up precedes), and the broadcast of
     # bucket indices when the buckets are rebuilt in gradient order after the first step (never done
     # while DDP looks for unused parameters; the buckets' total, and so the memory and bytes, are alike).
-    setup = {"init_sync": False, "find_unused_parameters": True} if dist.get_backend(group) == "fake" else {}
+    setup = {"init_sync": False, "find_unused_parameters": True} if is_fake_world() else {}
     replicate(module, process_group=group, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
               **_NO_BUFFER_SYNC_EACH_FORWARD, **setup)
     module.register_comm_hook(group, _sum_hook)

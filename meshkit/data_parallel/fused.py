@@ -155,8 +155,8 @@ def fuse_optimizer_into_backward(pm: ParallelModel, optimizer_factory: Optimizer
                          "weights every TP rank holds, or a tied embedding split by pipelining), so they are not "
                          "final inside backward; fix: use the optimizer unfused, or tp=1 / untied embeddings")
     if replicates_with_ddp(pm.plan):
-        raise ValueError(f"fuse_optimizer_into_backward: a plan that only replicates (dp_replicate={pm.plan.dp_replicate}, "
-                         "nothing sharded) runs DDP, whose buckets keep every gradient resident, so stepping inside "
+        raise ValueError(f"fuse_optimizer_into_backward: a plan that only replicates "
+                         f"(dp_replicate={pm.plan.dp_replicate}, nothing sharded) runs DDP, whose buckets keep every gradient resident, so stepping inside "
                          "backward would free nothing; fix: use the optimizer unfused, or shard (dp_shard=N: FSDP "
                          "frees each unit's gradient shards once stepped)")
     fused = FusedOptimizer({p: optimizer_factory([p]) for p in params})

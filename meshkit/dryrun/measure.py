@@ -26,8 +26,8 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 #: The names a collective's group is reported under, the first that is that group winning: FSDP's
 #: axis first (as `CommCounter` does), then the estimator's other axes, the derived ones last.
-AXIS_NAMES = ("dp_shard_cp", "tp", "cp", "pp", "pp_ends", "pp_mirror", "dp_replicate", "ep", "ep_fsdp", "dp_cp_tp", "pp_cp_tp", "dp",
-              "dp_cp", "cp_ulysses", "cp_ring")
+AXIS_NAMES = ("dp_shard_cp", "tp", "cp", "pp", "pp_ends", "pp_mirror", "dp_replicate", "ep", "ep_fsdp", "dp_cp_tp",
+              "pp_cp_tp", "dp", "dp_cp", "cp_ulysses", "cp_ring")
 _ALIASES = {"cp_ulysses": "cp", "cp_ring": "cp"}  # USP's two parts: the estimator's cp rows
 
 

@@ -101,9 +101,9 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
     without pipelining it counts as part of the head unit. The embedding unit is gathered first and
     never again (its backward reads only the token ids); the head unit is the last and is never
     resharded after forward (the tied root is), nor is each stage's last block (`data_parallel.fsdp`:
-    backward needs it next), counted against the kind of the model's last block. Under a V the first and last stage
-    share pp rank 0: a tied embedding is two units there (the embedding, and the head's copy, which
-    its backward does read).
+    backward needs it next), counted against the kind of the model's last block. Under a V the first
+    and last stage share pp rank 0: a tied embedding is two units there (the embedding, and the head's
+    copy, which its backward does read).
     """
     units, grads = state.unit_elements, state.grad_unit_elements
     fsdp, reshard = plan.dp_shard * plan.cp, plan.fsdp_reshard

@@ -14,8 +14,9 @@ gathered over tp on the last pipeline stage and broadcast over pp, so every rank
 group appends the same token.
 
 Left-padded prompts (`attention_mask`, rows of different lengths; without one, HF's inference from
-the pad token: `options.inferred_attention_mask`): a row's padding is a document of its own, so meshkit's block-diagonal attention keeps every real token away from it, and each
-row's positions count its real tokens only, as HF's do. With a KV cache the padding stays in the
+the pad token: `options.inferred_attention_mask`): a row's padding is a document of its own, so
+meshkit's block-diagonal attention keeps every real token away from it, and each row's positions
+count its real tokens only, as HF's do. With a KV cache the padding stays in the
 cache, and each step passes the document ids of the whole cached sequence so the new token's
 attention skips it.
 
