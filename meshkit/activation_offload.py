@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit._compat.subclasses import flatten, is_wrapper_subclass, ready, storage_ptr, unflatten
+from meshkit._compat.fake import host_allocations, is_fake_world, view_of_storage
+from meshkit._compat.subclasses import flatten, is_wrapper_subclass, ready, storage_key, unflatten
 
 
 class ActivationOffload:
@@ -49,6 +50,9 @@ class ActivationOffload:
         self._module = torch.get_device_module(device.type) if self.pin else None
         self.stream = self._module.Stream(device=device) if self.pin else None
         self.host_bytes = 0
+        # A fake world (the dry run) stands for an accelerator: backward reads a device copy of each host
+        # copy, as it would there, where a CPU run reads the host copy itself.
+        self.simulated = is_fake_world()
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -80,10 +84,10 @@ class ActivationOffload:
             # inner values that are not tensors (torch 2.13's DTensor names its mesh) are kept as they are
             return _Wrapped({name: self.copy_out(v, storages) if isinstance(v, torch.Tensor) else v
                              for name, v in inner.items()}, meta)
-        storage = t.untyped_storage()
-        host = storages.get(storage.data_ptr())
+        key = storage_key(t)
+        host = storages.get(key)
         if host is None:
-            host = storages[storage.data_ptr()] = _HostStorage(storage, t.device, self)
+            host = storages[key] = _HostStorage(t.untyped_storage(), t.device, self)
         return _View(host, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def copy_back(self, copied: Any) -> Any:
@@ -114,8 +118,9 @@ class _HostStorage:
     def __init__(self, storage: torch.UntypedStorage, device: torch.device, offload: ActivationOffload):
         on_device = device.type != "cpu"
         nbytes = storage.nbytes()
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=offload.pin and on_device)
-        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        with host_allocations():
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=offload.pin and on_device)
+        source = view_of_storage(storage, torch.uint8, device, like=self.host)
         self.host.copy_(source, non_blocking=offload.pin and on_device)
         if offload.stream is not None and on_device:
             source.record_stream(offload.stream)  # the allocator keeps it until the side stream has copied it
@@ -127,9 +132,10 @@ class _HostStorage:
     def prefetch(self) -> None:
         """Start the copy back to the device (issued on whatever stream is current)."""
         if self.back is None:
-            self.back = self.host.to(self.device, non_blocking=self.offload.pin and self.device.type != "cpu")
-            if self.back.data_ptr() == self.host.data_ptr():  # on the CPU .to() is the same tensor
-                self.back = self.host
+            if self.device.type != "cpu":
+                self.back = self.host.to(self.device, non_blocking=self.offload.pin)
+            else:  # on the CPU the host copy is what backward reads, unless a fake world stands for a device
+                self.back = self.host.clone() if self.offload.simulated else self.host
             self.offload.restored_bytes += self.host.numel()
 
     def to_device(self) -> torch.Tensor:
@@ -152,8 +158,8 @@ class _View:
 
     def to_device(self) -> torch.Tensor:
         back = self.storage.to_device()
-        return torch.empty(0, dtype=self.dtype, device=back.device).set_(
-            back.untyped_storage(), self.offset, self.size, self.stride)
+        return view_of_storage(back.untyped_storage(), self.dtype, back.device, like=back,
+                               view=(self.offset, self.size, self.stride))
 
 
 class _Packed:
@@ -178,8 +184,8 @@ class _BlockStore:
         self.started = False
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        ptr = storage_ptr(t)
-        return ptr != 0 and any(storage_ptr(p) == ptr for p in self.block.parameters())
+        key = storage_key(t)
+        return any(storage_key(p) == key for p in self.block.parameters())
 
     @torch.no_grad()
     def pack(self, t: torch.Tensor) -> Any:

@@ -40,8 +40,10 @@ def unflatten(inner: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
     return cls.__tensor_unflatten__(inner, ctx, size, stride)
 
 
-def storage_ptr(t: torch.Tensor) -> int:
-    """The address of the storage holding `t`'s values (a wrapper's first inner tensor's); 0 when freed."""
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of the storage holding `t`'s values (a wrapper's first inner tensor's), unique while
+    it is alive: the address of its StorageImpl (`_cdata`), which, unlike the data's address, a fake
+    tensor has and a storage FSDP2 freed by resizing keeps."""
     while is_wrapper_subclass(t):
         t = next(v for v in flatten(t)[0].values() if isinstance(v, torch.Tensor))
-    return t.untyped_storage().data_ptr()
+    return t.untyped_storage()._cdata

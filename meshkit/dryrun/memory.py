@@ -35,10 +35,11 @@ from torch.utils._pytree import tree_leaves
 
 from meshkit._compat.checkpointing import in_backward
 from meshkit._compat.dispatch import dispatch_mode_base
-from meshkit._compat.fake import is_fake
+from meshkit._compat.fake import allocating_on_host, is_fake
 from meshkit._compat.subclasses import flatten, is_wrapper_subclass
 
 LARGEST = 12  # allocations listed with the peak (the largest live ones)
+HOST = "host"  # activation offload's copies (`_compat.fake.host_allocations`): never the device's bytes
 PARTS = ("parameters", "gradients", "optimizer", "activations", "fsdp_buffers", "temporaries")
 _FSDP_CODE = "/torch/distributed/fsdp/"
 # Allocations that are not the run's memory: DTensor derives an op's output shape by running it on
@@ -143,6 +144,8 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
                 return None
             fsdp = fsdp or _FSDP_CODE in name
             frame = frame.f_back
+        if allocating_on_host():
+            return HOST
         if self.phase != "step":
             return self.phase
         if fsdp:
@@ -188,7 +191,7 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
                 parts_of[i] = known[i]
             elif part == "optimizer":
                 parts_of[i] = "temporaries"  # allocated by the optimizer step, not kept as its state
-        counted = {i for i, part in parts_of.items() if part not in host}
+        counted = {i for i, part in parts_of.items() if part not in host and part != HOST}
         sizes = {i: b for i, (b, _) in self._baseline.items()}
         total = sum(b for i, b in sizes.items() if i in counted)
         peak, peak_at = total, 0

@@ -256,7 +256,8 @@ def estimate(config: Any, plan: Plan, world: int, workload: Workload, device: De
         off = max((offload_cost(config, plan, workload, r.state, device) for r in ranks),
                   key=lambda c: (c.exposed, c.host_bytes))
     worst = max(ranks, key=lambda r: r.peak)
-    moved = activation_offload_cost(plan, workload, max(ranks, key=lambda r: r.activation_host), device, compute)
+    moved = activation_offload_cost(plan, workload, max(ranks, key=lambda r: r.activation_host_peak), device,
+                                   compute)
     host = (off.exposed if off is not None else 0.0) + (moved.exposed if moved is not None else 0.0)
     times = {"compute": compute, "bubble": bubble, "exposed_comm": exposed, "offload": host,
              "step": compute + exposed + host}

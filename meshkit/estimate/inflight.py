@@ -39,6 +39,8 @@ class StageBytes:
     # folds them into the reduce-dtype accumulation, ran in B, so they wait for the next B (dry run)
     weight_grads: int = 0
     end_transient: int = 0  # on top as its backward ends (its first block's recompute)
+    accumulated: int = 0    # the stage's unreduced gradients FSDP accumulates over the call (reduce dtype)
+    accumulated_w: int = 0  # of them, the deferred linears' (made at the B after their W)
 
 
 @dataclass(frozen=True)
@@ -68,46 +70,65 @@ def _compute_actions(schedule: str, pp: int, m: int, v: int, rank: int, costs: t
     return tuple((a.kind.value, a.stage) for a in built.ranks[rank] if a.kind in COMPUTE_KINDS)
 
 
-def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes], carried: int = 0, carried_w: int = 0) -> Held:
+def replay(plan: Plan, pp_rank: int, stages: dict[int, StageBytes]) -> Held:
     """Replay `pp_rank`'s compute actions under the plan's schedule with `stages`' bytes (by global
-    stage); return the largest moment (after a forward, as a backward starts with its transient, or as
-    the rank's first backward ends). `carried`: the unreduced gradients FSDP accumulates over the
-    call, which exist from the rank's first backward on (before it, nothing has made them: under GPipe
-    the peak is that backward's end, one microbatch's activations freed, measured by the dry run).
-    `carried_w` of them, the deferred linears' under a B/W split, only once a B ends after the rank's
-    first W (or a whole BW ends): W leaves them in `.grad`, and FSDP folds them in at the next B's
-    post-backward (under ZB-H2 the last stage peaks at a loss backward before that)."""
+    stage); return the largest moment (after a forward, as a backward starts with its transient, as a
+    B/W-split backward's B part ends, or as the rank's first backward ends).
+
+    A stage's unreduced gradients (`accumulated`) appear with its own first backward, not the rank's
+    (under GPipe the peak is that backward's end, one microbatch's activations freed). Under a B/W
+    split FSDP's post-backward runs inside B, before the deferred linears have gradients: those land
+    in `.grad` in the compute dtype (`weight_grads`) from W, or from a BW's own deferred products
+    right after its B, and the stage's next B or BW folds them into the reduce-dtype accumulation
+    (`accumulated_w`, made then) and frees them. The dry run measured it: a DualPipe rank's second
+    stage holds both of its stages' `.grad`s and accumulations at its peak, which the replay, adding
+    every stage's accumulation at the rank's first backward, placed at a moment without them (0.944).
+    """
     actions = _compute_actions(plan.pp_schedule, plan.pp, plan.microbatches, plan.pp_stages_per_rank, pp_rank,
                                plan.pp_costs, plan.pp_memory_limit)
-    act = grads = pairs = 0
-    weighed: set[int] = set()  # stages whose W has run: their weights' `.grad` is alive from then on
-    late, backward, folded = 0, False, None  # the carried gradients made so far
+    split = any(kind == "W" for kind, _ in actions)
+    act = grads = pairs = late = 0
+    begun: set[int] = set()    # stages whose first backward has run: their accumulation exists
+    holding: set[int] = set()  # stages whose deferred linears' gradients sit in `.grad` (compute dtype)
+    folded: set[int] = set()   # stages whose deferred linears' accumulation exists
+    backward = False
     best = Held(0, 0, 0, False, 0)
+
+    def moment(transient: int = 0, loss: bool = False) -> None:
+        nonlocal best
+        best = max(best, Held(act, grads, transient, loss, pairs, late), key=lambda h: h.total)
+
     for kind, s in actions:
         b = stages[s]
         if kind in ("B", "BW"):
-            best = max(best, Held(act, grads, b.transient, b.last, pairs, late), key=lambda h: h.total)
+            moment(b.transient, b.last)
         elif kind == "W":
-            best = max(best, Held(act, grads, b.weight_transient, False, pairs, late), key=lambda h: h.total)
+            moment(b.weight_transient)
         if kind == "F":
             act, pairs = act + b.activations, pairs + 1
-        elif kind == "B":
-            act, grads, pairs = act - b.activations + b.deferred_inputs, grads + b.deferred_grads, pairs - 1
-        elif kind == "W":
-            act, grads = act - b.deferred_inputs, grads - b.deferred_grads
-            if s not in weighed:
-                weighed.add(s)
-                grads += b.weight_grads
-        else:  # BW
+        elif kind in ("B", "BW"):
             act, pairs = act - b.activations, pairs - 1
-        if kind == "W" and folded is None:
-            folded = False  # W's gradients wait for the next B's post-backward
-        elif (kind == "B" and folded is False) or (kind == "BW" and not folded):  # a BW makes and folds them
-            folded, late = True, late + carried_w
-        if kind in ("B", "BW") and not backward:
-            backward, late = True, late + carried - carried_w
-            best = max(best, Held(act, grads, b.end_transient, False, pairs, late), key=lambda h: h.total)
-        best = max(best, Held(act, grads, 0, False, pairs, late), key=lambda h: h.total)
+            if split:  # the B part: each deferred linear's input and output gradient kept for W
+                act, grads = act + b.deferred_inputs, grads + b.deferred_grads
+            if s not in begun:  # the post-backward makes the accumulation of what B computed
+                begun.add(s)
+                late += b.accumulated - (b.accumulated_w if split else 0)
+            if s in holding:  # ... and folds the compute-dtype `.grad`s a W left
+                holding.discard(s)
+                grads -= b.weight_grads
+                if s not in folded:
+                    folded.add(s)
+                    late += b.accumulated_w
+            if not backward:
+                backward = True
+                moment(b.end_transient)
+        if (kind == "BW" and split) or kind == "W":  # the W part: the deferred products into `.grad`
+            moment()
+            act, grads = act - b.deferred_inputs, grads - b.deferred_grads
+            if s not in holding:
+                holding.add(s)
+                grads += b.weight_grads
+        moment()
     return best
 
 

@@ -90,7 +90,7 @@ def offload_cost(config: Any, plan: Plan, workload: Workload, state: ModelState,
 class ActivationOffloadCost:
     """What activation offload costs one rank per step."""
 
-    host_bytes: int     # saved activations held in host memory at the peak
+    host_bytes: int     # the most saved activations host memory holds in the step
     link_bytes: float   # bytes over the host link per step, both directions
     exposed: float      # seconds the copies add beyond the compute they overlap
 
@@ -105,4 +105,4 @@ def activation_offload_cost(plan: Plan, workload: Workload, memory: Any, device:
     # forward is a third of the compute, backward (with its recompute) the rest
     exposed = max(0.0, one_way / device.host_bw - compute_time / 3) + \
         max(0.0, one_way / device.host_bw - 2 * compute_time / 3)
-    return ActivationOffloadCost(memory.activation_host, 2.0 * one_way, exposed)
+    return ActivationOffloadCost(memory.activation_host_peak, 2.0 * one_way, exposed)

@@ -16,6 +16,7 @@ from typing import Any
 
 from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import activations as acts
+from meshkit.estimate import moe
 from meshkit.estimate.inflight import (
     Held,
     StageBytes,
@@ -66,6 +67,7 @@ class RankMemory:
     # live in host memory from the block's forward to its backward; `activation_host` of them at the peak
     moved: dict[str, int] = dataclasses.field(default_factory=dict)
     activation_host: int = 0
+    activation_host_peak: int = 0  # the most of them host memory holds in the step (the last forward's end)
 
     @property
     def held_blocks(self) -> int:
@@ -82,9 +84,13 @@ class RankMemory:
     @property
     def activations(self) -> int:
         """Activation bytes held on the device at the peak (all in-flight microbatches). Under activation
-        offload the moved bytes are in host memory, but for two blocks' worth: the block whose copies
-        are in flight and, in backward, the block running while the one before it is brought back."""
-        offloaded = 2 * max(self.moved.values(), default=0) - self.activation_host
+        offload the moved bytes are in host memory, but in a block's backward for two blocks' worth: the
+        block running, brought back, and the one before it, being brought back. As the loss's backward
+        starts no block is back yet and every copy out is done (the dry run measured none there; on an
+        accelerator the last block's copies may still be in flight, its sources held by the allocator
+        until the side stream is done: at most one block more)."""
+        restored = 2 * max(self.moved.values(), default=0) if self.moment != "loss" else 0
+        offloaded = restored - self.activation_host
         if self.pipeline is not None:
             return self.pipeline.activations + offloaded
         blocks = sum(n * sum(self.per_kind[k].values()) for k, n in self.held.items())
@@ -151,11 +157,9 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
     if plan.pp > 1:  # the schedule's largest moment, by replaying the rank's actions with their bytes
         # a window's earlier calls left their unreduced gradients; this call's appear with its first backward
         early = carried if workload.calls(plan) > 1 and plan.grad_sync == "last_microbatch" else 0
-        stage_bytes = _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head, loss, recompute)
-        # under a B/W split the deferred linears' gradients (reduce dtype) come with W, the rest with B
-        deferred = sum(b.weight_grads for b in stage_bytes.values()) * dtype_bytes(plan.reduce_dtype) \
-            // dtype_bytes(plan.param_dtype)
-        pipe = replay(plan, pp_rank, stage_bytes, carried - early, min(deferred, carried - early))
+        stage_bytes = _stage_bytes(config, plan, workload, pp_rank, per_kind, memory.shared, head, loss, recompute,
+                                   state, carried - early)
+        pipe = replay(plan, pp_rank, stage_bytes)
         moments = [dataclasses.replace(memory, moment="loss" if pipe.loss else "block", pipeline=pipe,
                                        in_flight=pipe.pairs, transient=pipe.transient + pipe.deferred_grads,
                                        fsdp_buffers=(kept if pipe.loss else moving) + early + pipe.carried,
@@ -174,14 +178,42 @@ def rank_memory(config: Any, plan: Plan, workload: Workload, pp_rank: int, in_fl
             config, sequence_parallel=sp, ac="full", kind=k, **kw)).values()) for k in on_rank}
         moments = [dataclasses.replace(m, moved=moved, activation_host=m.in_flight * sum(
             n * moved[k] for k, n in heaviest.items())) for m in moments]
+        if plan.pp == 1 and options.sharded and state.blocks > 1:
+            moments.append(_late_offloaded_block(config, plan, memory, state, moved, recompute,
+                                                 moving + carried, held_grads))
+        most = max(m.activation_host for m in moments)  # as the last forward ends, every block's copies
+        moments = [dataclasses.replace(m, activation_host_peak=most) for m in moments]
     best = max(moments, key=lambda m: m.peak)
     return dataclasses.replace(best, offloaded=options.host)
 
 
+def _late_offloaded_block(config: Any, plan: Plan, memory: RankMemory, state: ModelState, moved: dict[str, int],
+                          recompute: int, fsdp_buffers: int, held_grads: int) -> RankMemory:
+    """Under activation offload, the backward of the stack's second block: the device holds two blocks'
+    activations at every block's backward (the one running and the one before it, brought back), so
+    the moment with the most is the last with two, once every later unit's gradient shard exists (the
+    dry run measured it on a small model: 12% over the first block's backward). The embedding's shard
+    comes last (with tied embeddings, the head's too: one unit)."""
+    kinds = moe.block_kinds(config)[:2]
+    held = {k: kinds.count(k) for k in set(kinds)}
+    units = {u.kind: u.block_grad + u.expert_grad for u in state.block_units}
+    edges = state.grad_unit_elements
+    tied = getattr(config, "tie_word_embeddings", False)
+    total = sum(u.count * units[u.kind] for u in state.block_units) + edges["embed"] + (0 if tied else edges["head"])
+    pending = sum(units.get(k, 0) for k in kinds) + edges["embed"]
+    reduced = state.grad_bytes * (total - pending) // total if total else 0
+    return dataclasses.replace(memory, moment="block", held=held, in_flight=1, transient=recompute,
+                               fsdp_buffers=fsdp_buffers, grads_held=held_grads + reduced,
+                               head_freed=sum(memory.head.values()), moved=moved,
+                               activation_host=sum(n * moved[k] for k, n in held.items()))
+
+
 def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_kind: dict[str, dict[str, int]],
-                 shared: int, head: dict[str, int], loss: int, recompute: int) -> dict[int, StageBytes]:
+                 shared: int, head: dict[str, int], loss: int, recompute: int, state: ModelState,
+                 carried: int) -> dict[int, StageBytes]:
     """Each of the rank's stages, one microbatch: its activations, what a B/W schedule defers to W
-    (`inflight.deferred_bytes`), and its backward's transient."""
+    (`inflight.deferred_bytes`), its backward's transient, and its share of the `carried` unreduced
+    gradients (by its units' elements with gradients)."""
     placement = stage_ranks(plan)
     # The stages running the last chunk end in the head and the loss: under DualPipe two of them, one per
     # direction (pp rank pp-1's and, its mirror, rank 0's), not only the last stage id (found by the dry run).
@@ -199,13 +231,18 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     sp = plan.tp if (plan.tp > 1 and plan.sequence_parallel) else 1
     output = workload.mbs * (workload.seq // plan.cp) // sp * config.hidden_size * dtype_bytes(plan.param_dtype)
     out = {}
-    for stage, kinds in zip(stages_of_rank(pp_rank, placement), stage_kinds(config, plan)[pp_rank]):
+    stages = list(zip(stages_of_rank(pp_rank, placement), stage_kinds(config, plan)[pp_rank]))
+    shares = _gradient_shares(state, [(kinds, chunks[stage] == 0, chunks[stage] == max(chunks))
+                                      for stage, kinds in stages], carried)
+    red = dtype_bytes(plan.reduce_dtype) / dtype_bytes(plan.param_dtype)
+    for (stage, kinds), accumulated in zip(stages, shares):
         last = chunks[stage] == max(chunks)
         activations = sum(n * sum(per_kind[k].values()) for k, n in kinds.items()) + shared + \
             (sum(head.values()) if last else output)
         transient = loss if last else recompute
         if not split:
-            out[stage] = StageBytes(activations, transient=transient, last=last, end_transient=recompute)
+            out[stage] = StageBytes(activations, transient=transient, last=last, end_transient=recompute,
+                                    accumulated=accumulated)
             continue
         inputs = sum(n * deferred[k][0] for k, n in kinds.items())
         grads = sum(n * deferred[k][1] for k, n in kinds.items())
@@ -217,8 +254,25 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
             head_in, head_grad, head_weight = head_deferred_bytes(config, plan, workload)
             inputs, grads, weight = inputs + head_in, grads + head_grad, max(weight, head_weight)
             held += head_weight if fsdp else 0
-        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight, held, recompute)
+        out[stage] = StageBytes(activations, inputs, grads, transient, last, weight, held, recompute,
+                                accumulated, min(int(held * red), accumulated))
     return out
+
+
+def _gradient_shares(state: ModelState, stages: list[tuple[dict[str, int], bool, bool]], carried: int) -> list[int]:
+    """`carried` split over a rank's stages ((blocks by kind, runs the first chunk, runs the last chunk)
+    each) by the gathered elements with gradients of their FSDP units; the remainder of the integer
+    division goes to the first."""
+    units = {u.kind: u.block_grad + u.expert_grad for u in state.block_units}
+    edges = state.grad_unit_elements
+    weights = [sum(n * units.get(k, 0) for k, n in kinds.items()) + (edges["embed"] if first else 0)
+               + (edges["head"] if last else 0) for kinds, first, last in stages]
+    total = sum(weights)
+    if not total:
+        return [carried] + [0] * (len(stages) - 1)
+    shares = [carried * w // total for w in weights]
+    shares[0] += carried - sum(shares)
+    return shares
 
 
 def _gradients_held(plan: Plan, workload: Workload, state: ModelState, options: ZeroMemory) -> tuple[int, int]:
