@@ -46,13 +46,6 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def storage_key(tensor) -> int:
-    """Identity of a tensor's storage (`UntypedStorage._cdata`): views and autograd's saved copies
-    share it, so counting storages counts memory once. A DTensor's memory is its local shard."""
-    local = getattr(tensor, "_local_tensor", None)
-    return (local if local is not None else tensor).untyped_storage()._cdata
-
-
 def storage_nbytes(tensor) -> int:
     """Bytes of a tensor's storage (a DTensor's local shard's)."""
     local = getattr(tensor, "_local_tensor", None)

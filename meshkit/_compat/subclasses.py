@@ -41,9 +41,10 @@ def unflatten(inner: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The identity of the storage holding `t`'s values (a wrapper's first inner tensor's), unique while
-    it is alive: the address of its StorageImpl (`_cdata`), which, unlike the data's address, a fake
-    tensor has and a storage FSDP2 freed by resizing keeps."""
+    """The identity of the storage holding `t`'s values (a wrapper's first inner tensor's: a DTensor's local
+    shard), unique while it is alive: the address of its StorageImpl (`_cdata`), which, unlike the data's
+    address, a fake tensor has and a storage FSDP2 freed by resizing keeps. Views and autograd's saved
+    copies share it, so counting storages counts memory once."""
     while is_wrapper_subclass(t):
         t = next(v for v in flatten(t)[0].values() if isinstance(v, torch.Tensor))
     return t.untyped_storage()._cdata

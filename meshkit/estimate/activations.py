@@ -33,7 +33,8 @@ import torch
 import transformers
 from torch import nn
 
-from meshkit._compat.dispatch import fake_tensor_mode, storage_key
+from meshkit._compat.dispatch import fake_tensor_mode
+from meshkit._compat.subclasses import storage_key
 from meshkit.activation_checkpoint import AC_MODES
 from meshkit.estimate.spec import config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording

@@ -34,7 +34,7 @@ import transformers
 from torch import nn
 from tqdm import tqdm
 
-from meshkit._compat.dispatch import storage_key
+from meshkit._compat.subclasses import storage_key
 from meshkit.estimate.spec import config_from_key, config_key
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.expert_parallel.moe import MoE

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from meshkit._compat.dispatch import storage_key
+from meshkit._compat.subclasses import storage_key
 from meshkit.estimate import moe
 from meshkit.estimate.trace import Recorder, by_part, recording
 from meshkit.models.moe import convert_moe_blocks
