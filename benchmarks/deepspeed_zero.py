@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rank_side:  # a rank of a world this script launched
         result = _rank_side(args.rank_side, args.zero)
-        print("RESULT " + json.dumps(result), flush=True)
+        sys.stdout.write("RESULT " + json.dumps(result) + "\n")  # one write: the ranks share the pipe
+        sys.stdout.flush()
         return 0
     if not args.deepspeed_python or not Path(args.deepspeed_python).exists():
         parser.error(f"DeepSpeed's python not found ({args.deepspeed_python!r}): pass --deepspeed-python or set {ENV}; "

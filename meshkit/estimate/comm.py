@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshkit.data_parallel.fsdp import BUCKET_BYTES, buckets_units
 from meshkit.data_parallel.replicate import BUCKET_MB
 from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import moe
@@ -134,14 +135,50 @@ def fsdp_units(config: Any, plan: Plan, state: ModelState) -> list[FsdpUnit]:
                         bool(root) and reshard, grads["head"]))
     out += [FsdpUnit("expert", b.count, b.expert, fsdp // plan.ep, "ep_fsdp", reshard, b.expert_grad)
             for b in state.block_units if b.kind == "moe"]
-    return [u for u in out if u.count]
+    out = [u for u in out if u.count]
+    return _in_buckets(config, plan, out, grouped=not root) if buckets_units(plan) else out
+
+
+def _in_buckets(config: Any, plan: Plan, units: list[FsdpUnit], grouped: bool) -> list[FsdpUnit]:
+    """`units` as the code groups them under ZeRO-1/2 (`data_parallel.fsdp.units_in_buckets`): the
+    embedding, each block in layer order and the head, consecutive ones merged up to `BUCKET_BYTES` of
+    gathered parameters, each group one unit ("blocks" when it holds a block). The code weighs a unit
+    by its unpadded elements, this by its padded rows (at most a row per tensor more). A tied root (the
+    "head" unit when not `grouped`) and the experts stay apart, as in the code."""
+    dense = {u.name: u for u in units if u.axis == "dp_shard_cp"}
+    order = [dense["embed"]] if "embed" in dense else []
+    mixed = len(set(moe.block_kinds(config))) > 1
+    for kind in moe.block_kinds(config):
+        unit = dense.get(_BLOCK_NAMES[kind] if mixed else "block")
+        order += [unit] if unit is not None else []
+    tail = [dense["head"]] if "head" in dense else []
+    order += tail if grouped else []
+    act, groups, size = dtype_bytes(plan.param_dtype), [], 0
+    for unit in order:
+        n = unit.elements * act
+        if groups and size + n <= BUCKET_BYTES:
+            groups[-1].append(unit)
+            size += n
+        else:
+            groups.append([unit])
+            size = n
+    if all(len(g) == 1 for g in groups):  # nothing small enough to share a bucket
+        return units
+    merged: dict[tuple, FsdpUnit] = {}  # equal groups counted as one kind, in order
+    for g in groups:
+        unit = g[0] if len(g) == 1 else FsdpUnit(
+            "blocks", 1, sum(u.elements for u in g), g[0].group, g[0].axis, False,
+            sum(u.grad_elements for u in g), sum(u.float8 for u in g))
+        key = (unit.name, unit.elements, unit.grad_elements, unit.float8)
+        merged[key] = dataclasses.replace(unit, count=merged[key].count + 1 if key in merged else 1)
+    return [*merged.values(), *([] if grouped else tail), *(u for u in units if u.axis != "dp_shard_cp")]
 
 
 _BLOCK_NAMES = {"dense": "dense block", "moe": "MoE block"}
 
 
 def _is_block(unit_name: str) -> bool:
-    return unit_name.endswith("block")
+    return unit_name.endswith(("block", "blocks"))
 
 
 def communication(config: Any, plan: Plan, workload: Workload, device: Device, state: ModelState,
