@@ -76,7 +76,7 @@ def units_in_buckets(units: list[nn.Module | list[nn.Module]], param_bytes: int,
     groups: list[list[nn.Module]] = []
     size = 0
     for unit in listed:
-        n = sum(local_tensor(p).numel() for m in unit for p in m.parameters()) * param_bytes
+        n = sum(local_tensor(p).numel() for m in unit for p in _own_parameters(m)) * param_bytes
         if groups and size + n <= limit:
             groups[-1] += unit
             size += n
@@ -147,6 +147,14 @@ def apply_fsdp(
         # A list unit shares one FSDP state among its modules; setting it on the first sets it for all.
         fsdp_sum_gradients(module[0] if isinstance(module, list) else module)
     return wrapped
+
+
+def _own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """`module`'s parameters but those of FSDP units inside it (an MoE block's experts), which a unit
+    made of it does not gather."""
+    inner = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+             for p in sub.parameters()}
+    return [p for p in module.parameters() if id(p) not in inner]
 
 
 def apply_fsdp_to_stages(
