@@ -57,8 +57,10 @@ BUCKET_BYTES = int(BUCKET_MB * 2**20)
 
 def buckets_units(plan: Plan) -> bool:
     """Whether the plan's FSDP units are grouped into buckets: ZeRO-1/2 without pipelining (a pipeline
-    stage's units would group alike; not done, so that the estimator's units stay one per stage layout)."""
-    return plan.zero < 3 and plan.pp == 1
+    stage's units would group alike; not done, so that the estimator's units stay one per stage layout)
+    and without `offload="nvme"`, whose store streams the optimizer state one unit at a time (its host
+    memory is two units' state, `estimate.zero.largest_unit_state`)."""
+    return plan.zero < 3 and plan.pp == 1 and plan.offload != "nvme"
 
 
 def units_in_buckets(units: list[nn.Module | list[nn.Module]], param_bytes: int, limit: int) -> list[list[nn.Module]]:

@@ -47,3 +47,14 @@ def test_zero3_keeps_one_unit_per_block() -> None:
     units = fsdp_units(config, plan, model_state(config, plan))
     assert sum(u.count for u in units if u.name.endswith("block")) == config.num_hidden_layers
     assert units_in_buckets([1, 2, 3], 4, 0) == [[1], [2], [3]]  # no limit: as given
+
+
+def test_buckets_only_where_units_bound_nothing() -> None:
+    """Pipelining and the NVMe store (which streams one unit's optimizer state at a time) keep their units."""
+    from meshkit.data_parallel.fsdp import buckets_units
+
+    assert buckets_units(Plan.from_string("dp_shard=2,zero=2").resolve(2))
+    assert buckets_units(Plan.from_string("dp_shard=2,zero=1").resolve(2))
+    assert not buckets_units(Plan.from_string("dp_shard=2,zero=3").resolve(2))
+    assert not buckets_units(Plan.from_string("pp=2,dp_shard=2,zero=2").resolve(4))
+    assert not buckets_units(Plan.from_string("dp_shard=2,zero=2,offload=nvme,offload_dir=/tmp").resolve(2))
