@@ -2,9 +2,9 @@
 
 Units are the embedding, each decoder block, `[norm, lm_head]`, then the root, so at most one block's
 full parameters exist at a time beyond the one being prefetched; under ZeRO-1/2, which keep every unit
-gathered anyway, consecutive small units share one (`units_in_buckets`). Context-parallel ranks fold into the
-shard group (`dp_shard_cp`) because they hold the same weights. Gradients are summed, never averaged:
-meshkit's loss already divides by the global count of valid tokens.
+gathered anyway, consecutive small units share one (`units_in_buckets`). Context-parallel ranks fold
+into the shard group (`dp_shard_cp`) because they hold the same weights. Gradients are summed, never
+averaged: meshkit's loss already divides by the global count of valid tokens.
 """
 
 from __future__ import annotations

@@ -192,8 +192,8 @@ def _late_offloaded_block(config: Any, plan: Plan, memory: RankMemory, state: Mo
     """Under activation offload, the backward of the stack's second block: the device holds two blocks'
     activations at every block's backward (the one running and the one before it, brought back), so
     the moment with the most is the last with two, once every later unit's gradient shard exists (the
-    dry run measured it on a small model: 12% over the first block's backward). The embedding's shard
-    comes last (with tied embeddings, the head's too: one unit)."""
+    dry run measured it on a small model, 12% above the first block's backward, the estimate's moment
+    before). The embedding's shard comes last (with tied embeddings, the head's too: one unit)."""
     kinds = moe.block_kinds(config)[:2]
     held = {k: kinds.count(k) for k in set(kinds)}
     units = {u.kind: u.block_grad + u.expert_grad for u in state.block_units}
