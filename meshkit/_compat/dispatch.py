@@ -46,12 +46,6 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def storage_nbytes(tensor) -> int:
-    """Bytes of a tensor's storage (a DTensor's local shard's)."""
-    local = getattr(tensor, "_local_tensor", None)
-    return (local if local is not None else tensor).untyped_storage().nbytes()
-
-
 def op_schema_arguments(op):
     """An op overload's schema arguments (`OpOverload._schema`): to read flags passed either way."""
     return op._schema.arguments

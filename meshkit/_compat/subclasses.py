@@ -40,11 +40,21 @@ def unflatten(inner: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
     return cls.__tensor_unflatten__(inner, ctx, size, stride)
 
 
+def _holder(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `t`'s values: a wrapper's first inner tensor (a DTensor's local shard)."""
+    while is_wrapper_subclass(t):
+        t = next(v for v in flatten(t)[0].values() if isinstance(v, torch.Tensor))
+    return t
+
+
 def storage_key(t: torch.Tensor) -> int:
     """The identity of the storage holding `t`'s values (a wrapper's first inner tensor's: a DTensor's local
     shard), unique while it is alive: the address of its StorageImpl (`_cdata`), which, unlike the data's
     address, a fake tensor has and a storage FSDP2 freed by resizing keeps. Views and autograd's saved
     copies share it, so counting storages counts memory once."""
-    while is_wrapper_subclass(t):
-        t = next(v for v in flatten(t)[0].values() if isinstance(v, torch.Tensor))
-    return t.untyped_storage()._cdata
+    return _holder(t).untyped_storage()._cdata
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage `storage_key` names."""
+    return _holder(t).untyped_storage().nbytes()

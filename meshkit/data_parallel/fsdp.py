@@ -75,17 +75,24 @@ def units_in_buckets(units: list[nn.Module | list[nn.Module]], param_bytes: int,
     listed = [u if isinstance(u, list) else [u] for u in units]
     if limit <= 0:
         return listed
-    groups: list[list[nn.Module]] = []
-    size = 0
-    for unit in listed:
-        n = sum(local_tensor(p).numel() for m in unit for p in _own_parameters(m)) * param_bytes
-        if groups and size + n <= limit:
-            groups[-1] += unit
-            size += n
+    sizes = [sum(local_tensor(p).numel() for m in unit for p in _own_parameters(m)) * param_bytes for unit in listed]
+    return [[m for i in run for m in listed[i]] for run in bucket_runs(sizes, limit)]
+
+
+def bucket_runs(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of `sizes` in consecutive runs of at most `limit` in total, greedily in order (a size
+    already above it stands alone); `limit` 0: each alone. The one grouping rule the code's units
+    (`units_in_buckets`) and the estimator's (`estimate.comm.fsdp_units`) follow."""
+    runs: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if runs and limit > 0 and total + n <= limit:
+            runs[-1].append(i)
+            total += n
         else:
-            groups.append(list(unit))
-            size = n
-    return groups
+            runs.append([i])
+            total = n
+    return runs
 
 
 def expert_shard_dim(local_shape: tuple[int, ...], shards: int) -> int:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from meshkit.data_parallel.fsdp import BUCKET_BYTES, buckets_units
+from meshkit.data_parallel.fsdp import BUCKET_BYTES, bucket_runs, buckets_units
 from meshkit.data_parallel.replicate import BUCKET_MB
 from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
 from meshkit.estimate import moe
@@ -153,15 +153,8 @@ def _in_buckets(config: Any, plan: Plan, units: list[FsdpUnit], grouped: bool) -
         order += [unit] if unit is not None else []
     tail = [dense["head"]] if "head" in dense else []
     order += tail if grouped else []
-    act, groups, size = dtype_bytes(plan.param_dtype), [], 0
-    for unit in order:
-        n = unit.elements * act
-        if groups and size + n <= BUCKET_BYTES:
-            groups[-1].append(unit)
-            size += n
-        else:
-            groups.append([unit])
-            size = n
+    act = dtype_bytes(plan.param_dtype)
+    groups = [[order[i] for i in run] for run in bucket_runs([u.elements * act for u in order], BUCKET_BYTES)]
     if all(len(g) == 1 for g in groups):  # nothing small enough to share a bucket
         return units
     merged: dict[tuple, FsdpUnit] = {}  # equal groups counted as one kind, in order

@@ -196,8 +196,7 @@ def _late_offloaded_block(config: Any, plan: Plan, memory: RankMemory, state: Mo
     before). The embedding's shard comes last (with tied embeddings, the head's too: one unit)."""
     kinds = moe.block_kinds(config)[:2]
     held = {k: kinds.count(k) for k in set(kinds)}
-    units = {u.kind: u.block_grad + u.expert_grad for u in state.block_units}
-    edges = state.grad_unit_elements
+    units, edges = _grad_elements(state)
     tied = getattr(config, "tie_word_embeddings", False)
     total = sum(u.count * units[u.kind] for u in state.block_units) + edges["embed"] + (0 if tied else edges["head"])
     pending = sum(units.get(k, 0) for k in kinds) + edges["embed"]
@@ -259,12 +258,17 @@ def _stage_bytes(config: Any, plan: Plan, workload: Workload, pp_rank: int, per_
     return out
 
 
+def _grad_elements(state: ModelState) -> tuple[dict[str, int], dict[str, int]]:
+    """(one block's gathered elements with gradients by kind, experts included; the same of the
+    embedding and head units)."""
+    return {u.kind: u.block_grad + u.expert_grad for u in state.block_units}, state.grad_unit_elements
+
+
 def _gradient_shares(state: ModelState, stages: list[tuple[dict[str, int], bool, bool]], carried: int) -> list[int]:
     """`carried` split over a rank's stages ((blocks by kind, runs the first chunk, runs the last chunk)
     each) by the gathered elements with gradients of their FSDP units; the remainder of the integer
     division goes to the first."""
-    units = {u.kind: u.block_grad + u.expert_grad for u in state.block_units}
-    edges = state.grad_unit_elements
+    units, edges = _grad_elements(state)
     weights = [sum(n * units.get(k, 0) for k, n in kinds.items()) + (edges["embed"] if first else 0)
                + (edges["head"] if last else 0) for kinds, first, last in stages]
     total = sum(weights)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit._compat.dispatch import dispatch_mode_base, storage_nbytes
-from meshkit._compat.subclasses import storage_key
+from meshkit._compat.dispatch import dispatch_mode_base
+from meshkit._compat.subclasses import storage_key, storage_nbytes
 from meshkit.activation_checkpoint import is_saved_op
 
 

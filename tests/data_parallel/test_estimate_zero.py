@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from meshkit import estimate as est
-from meshkit._compat.dispatch import storage_nbytes
 from meshkit._compat.fsdp import fsdp_unsharded_tensors
-from meshkit._compat.subclasses import storage_key
+from meshkit._compat.subclasses import storage_key, storage_nbytes
 from meshkit.comm_counter import CommCounter
 from meshkit.data_parallel.zero_stages import fsdp_roots
 from meshkit.estimate.zero import meshkit_formula, paper_model_states, zero_memory
