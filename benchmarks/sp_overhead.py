@@ -4,15 +4,16 @@ no SP in one world (`python -m benchmarks.sp_overhead [--reps N] [--out FILE]`).
 Issue #34 item 2 asks SP (tp=2) to cost within 5% of no SP on CPU. Per block and direction SP issues
 an all-gather and a reduce-scatter at each of the two boundaries where no SP issues one all-reduce;
 the bytes are the same. So SP's CPU depends on what gloo charges per call, measured first: one
-all-reduce of a [B, S, H] activation, the all-gather producing it from sequence shards, and the
-reduce-scatter consuming it, as c10d's op and as the functional op (the one selective activation
-checkpointing keeps, `tensor_parallel.local`). Then three variants of the same step train in one world,
-order rotated per repetition: tp=2 without SP, with SP as meshkit runs it (c10d reduce-scatters but
-under selective AC), and with every reduce-scatter functional (meshkit before this benchmark). The
+all-reduce of a [B, S, H] activation, the all-gather producing it from sequence shards and the
+reduce-scatter consuming it, through c10d and as the pairwise messages meshkit sends on gloo
+(`tensor_parallel.pairwise`; c10d's reduce-scatter on gloo is an all-reduce of a clone). Then three
+variants of the same step train in one world, order rotated per repetition: tp=2 without SP, with SP
+as meshkit runs it, and with SP through c10d's collectives (meshkit before the pairwise path). The
 ratio is the median over repetitions of (variant / no SP) of that repetition's median step CPU
-(process time, gloo's threads included, summed over both ranks).
+(process time, gloo's threads included, summed over both ranks). Steps call `forward_backward`
+without zeroing gradients, an accumulation window: SP's norm gradients, Partial sums, add locally
+and are all-reduced once per call (`tensor_parallel.styles.grads_as_partial_sums`).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -24,28 +25,30 @@ import torch
 import torch.distributed as dist
 
 import meshkit
-import meshkit.tensor_parallel.local as local
 from benchmarks.launch import run_ranks, seeded_llama
 from benchmarks.report import emit, machine_line, table
 from benchmarks.trainer import MODEL
-from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter, reduce_scatter_single
+from meshkit._compat.collectives import all_gather_single, reduce_scatter_single
+from meshkit.tensor_parallel import pairwise
 
 BATCH, SEQ = 2, 256
-VARIANTS = ("no SP", "SP", "SP, functional reduce-scatters")
-_REDUCE_SCATTER = local._reduce_scatter_sequence
+VARIANTS = ("no SP", "SP", "SP, c10d collectives")
+_APPLIES = pairwise.applies
 
 
 def collective_costs(calls: int = 80) -> dict[str, tuple[float, float]]:
     """On every rank: (CPU ms, wall ms) per call of each collective on one [B, S, H] activation."""
     torch.set_num_threads(1)
     tp, hidden = dist.get_world_size(), MODEL["hidden_size"]
-    full = torch.randn(tp * BATCH, SEQ // tp, hidden)  # rank-major, as SP's reduce-scatter input
+    full = torch.randn(tp * BATCH, SEQ // tp, hidden)  # rank-major, as c10d's reduce-scatter input
+    activation = torch.randn(BATCH, SEQ, hidden)  # [B, S, H], as the pairwise reduce-scatter's
     shard, gathered = torch.randn(BATCH, SEQ // tp, hidden), torch.empty(tp * BATCH, SEQ // tp, hidden)
     out, group = torch.empty(BATCH, SEQ // tp, hidden), dist.group.WORLD
     ops = {"all-reduce": lambda: dist.all_reduce(full.clone()),
            "all-gather (c10d)": lambda: all_gather_single(gathered, shard, group),
+           "all-gather (pairwise)": lambda: pairwise.all_gather(shard, group, tp),
            "reduce-scatter (c10d)": lambda: reduce_scatter_single(out, full, group),
-           "reduce-scatter (functional)": lambda: functional_reduce_scatter(full, group)}
+           "reduce-scatter (pairwise)": lambda: pairwise.reduce_scatter(activation, group, tp)}
     costs = {}
     for name, op in ops.items():
         for _ in range(5):
@@ -60,9 +63,7 @@ def collective_costs(calls: int = 80) -> dict[str, tuple[float, float]]:
 
 def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, float]:
     """On every rank: the median step CPU seconds of `variant` and its last loss."""
-    functional = variant == VARIANTS[2]
-    local._reduce_scatter_sequence = (lambda x, group, size, saved: _REDUCE_SCATTER(x, group, size, True)) \
-        if functional else _REDUCE_SCATTER
+    pairwise.applies = (lambda x, group: False) if variant == VARIANTS[2] else _APPLIES
     torch.set_num_threads(1)
     plan = "tp=2" + (",sequence_parallel=false" if variant == VARIANTS[0] else "")
     pm = meshkit.parallelize(seeded_llama(MODEL), meshkit.Plan.from_string(plan))
@@ -75,7 +76,7 @@ def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, floa
         loss = pm.forward_backward(ids, ids)
         if step >= warmup:
             cpu.append(time.process_time() - start)
-    local._reduce_scatter_sequence = _REDUCE_SCATTER
+    pairwise.applies = _APPLIES
     return statistics.median(cpu), float(loss)
 
 

@@ -8,8 +8,11 @@ and the functional collectives DTensor issues, through a dispatch mode.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +51,33 @@ _FUNCTIONAL_OPS = {
     "broadcast": "broadcast",
     "broadcast_": "broadcast",
 }
+
+
+@dataclass
+class _Composite:
+    kind: str
+    group: str
+    size: int
+    nbytes: int
+    counted_by: set[int] = field(default_factory=set)
+
+
+_composite = threading.local()
+
+
+@contextmanager
+def counted_as(kind: str, group: dist.ProcessGroup, nbytes: int) -> Iterator[None]:
+    """Count the point-to-point messages issued inside as one `kind` collective of `nbytes` on `group`.
+
+    For collectives built from sends and receives (`tensor_parallel.pairwise` on gloo): a counter
+    records the collective at the first message it sees and skips the messages, so its counts stay
+    in the collective's unit whichever way it was carried out."""
+    outer = getattr(_composite, "current", None)
+    _composite.current = _Composite(kind, group.group_name, group.size(), nbytes)
+    try:
+        yield
+    finally:
+        _composite.current = outer
 
 
 def _nbytes(obj: Any) -> int:
@@ -178,7 +208,12 @@ def _make_mode(counter: CommCounter) -> Any:
                 return NotImplemented
             kwargs = kwargs or {}
             name = func.__name__.split(".")[0]
-            if func.namespace == "c10d" and name in _C10D_OPS:
+            composite = getattr(_composite, "current", None)
+            if composite is not None and func.namespace == "c10d" and name in ("send", "recv_"):
+                if id(counter) not in composite.counted_by:
+                    composite.counted_by.add(id(counter))
+                    counter._record(composite.kind, composite.group, composite.size, composite.nbytes)
+            elif func.namespace == "c10d" and name in _C10D_OPS:
                 kind, idx = _C10D_OPS[name]
                 group, size = _group_of(args)
                 counter._record(kind, group, size, _nbytes(args[idx]))

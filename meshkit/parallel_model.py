@@ -38,7 +38,7 @@ from meshkit.step.batch import LocalBatch, prepare
 from meshkit.step.grad_norm import clip_grad_norm_, total_grad_norm
 from meshkit.step.grad_sync import every_sum_of_a_call, summed_in_place
 from meshkit.step.router_aux import AuxLosses
-from meshkit.tensor_parallel.styles import dtensor_params, loss_context, place_grads_like_params
+from meshkit.tensor_parallel.styles import loss_context, tp_grads_of_a_call
 
 
 @dataclass(frozen=True)
@@ -235,10 +235,9 @@ class ParallelModel:
         """The gradient sums meshkit makes itself around one call, then TP placement and fused steps."""
         self._window_open = not last_microbatch
         with every_sum_of_a_call((self._mirror_params, self._mirror_group), (self._tp_summed_params, self._tp_group),
-                                 (self._tied_params, self._tied_group)):
+                                 (self._tied_params, self._tied_group)), \
+                tp_grads_of_a_call(self.model_parts, self._reduce_tp_grads):
             yield
-            if self._reduce_tp_grads:
-                place_grads_like_params(dtensor_params(self.model_parts))
         if self._fused is not None:
             self._fused.after_call()
 

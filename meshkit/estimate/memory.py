@@ -38,6 +38,7 @@ from meshkit.models.moe import convert_moe_blocks
 from meshkit.pipeline.schedules import stage_chunks, stage_placement
 from meshkit.pipeline.split import split_layers, stages_of_rank
 from meshkit.plan import Plan
+from meshkit.tensor_parallel.local import ends_are_plain
 
 
 def stage_ranks(plan: Plan) -> tuple[int, ...]:
@@ -136,7 +137,8 @@ def _param_specs(config_json: str, kind: str) -> tuple[tuple[ParamSpec, ...], in
     block = parts.blocks[0]
     block_roles = roles.block_roles(block, cfg)
     head_params = set(roles.head_params(block, cfg))
-    specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed", trainable=parts.embed.weight.requires_grad)]
+    specs = [ParamSpec(tuple(parts.embed.weight.shape), 0, "embed", trainable=parts.embed.weight.requires_grad,
+                       plain_ends=ends_are_plain(parts.embed, parts.lm_head))]
     for name, p in block.named_parameters():
         owner, leaf = name.rsplit(".", 1)
         owner, adapter_part = owner_and_part(owner)

@@ -177,6 +177,9 @@ class ParamSpec:
     trainable: bool = True  # False: frozen (a LoRA model's base), no gradient and no optimizer state
     adapter: str = ""  # "lora_A" / "lora_B": a LoRA adapter tensor (placed by `tensor_parallel.lora`)
     attention: bool = False  # an adapter of an attention linear
+    # the embedding's: it and the LM head are the plain modules TP may run on local shards
+    # (`tensor_parallel.local.ends_are_plain`), whose gradient is then the vocabulary shard's
+    plain_ends: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ clipping and state dicts see nothing different) but runs the block on their loca
   replicated half with a Partial gradient), so the rowwise reduction sums base and adapter at once.
 
 Bytes and the memory layout are those of the DTensor path (same collectives, same sizes, norms on
-1/tp of the tokens). Used for blocks whose roles are plain colwise / rowwise / seq_norm / attention
+1/tp of the tokens). The embedding and LM head take the same ops where they are plain modules
+(`apply_local_ends`). On gloo the sequence gathers and reduce-scatters are pairwise messages
+(`tensor_parallel.pairwise`). Used for blocks whose roles are plain colwise / rowwise / seq_norm / attention
 / mlp, without a rowwise bias, without torch.compile (dynamo would trace the parameter swap) and
 without a schedule that splits B from W (its deferred weight gradients wrap plain `nn.Linear`
 forwards; `compose._tp_on_local_shards`); anything else (q/k norms, replicated K/V rows, packed
@@ -43,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter, reduce_scatter_single
+from meshkit.tensor_parallel import pairwise
 from meshkit.tensor_parallel.lora import COLUMN_ROLES, linear_base, linear_shards
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp", "latent"})
@@ -61,6 +64,8 @@ def _sequence_to_ranks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    if pairwise.applies(x, group):
+        return pairwise.all_gather(x, group, size)
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
     all_gather_single(out, x, group)
@@ -68,11 +73,13 @@ def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int, saved: bool) -> torch.Tensor:
-    ranks = _sequence_to_ranks(x, size)
     if saved:  # the functional op, which selective checkpointing keeps (as the DTensor path's reduce-scatter)
-        return functional_reduce_scatter(ranks, group)
+        return functional_reduce_scatter(_sequence_to_ranks(x, size), group)
+    if pairwise.applies(x, group):
+        return pairwise.reduce_scatter(x, group, size)
+    ranks = _sequence_to_ranks(x, size)
     out = ranks.new_empty((ranks.shape[0] // size, *ranks.shape[1:]))
-    reduce_scatter_single(out, ranks, group)  # c10d's: on gloo a third less CPU than the functional op
+    reduce_scatter_single(out, ranks, group)
     return out
 
 
@@ -253,6 +260,56 @@ def apply_local_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
     """The final norm on the sequence shard (SP), on local tensors."""
     _distribute(norm, mesh, lambda _: Replicate())
     _run_on_local_params(norm, (Partial(),))
+
+
+def ends_are_plain(embed: nn.Module, lm_head: nn.Module) -> bool:
+    """Whether the embedding and LM head are the modules `apply_local_ends` can run on local shards: a
+    plain `nn.Embedding` (no max_norm, dense gradients; not a subclass such as Gemma 3's scaled one)
+    and a bias-free `nn.Linear`."""
+    return (type(embed) is nn.Embedding and embed.max_norm is None and not embed.sparse
+            and not embed.scale_grad_by_freq and type(lm_head) is nn.Linear and lm_head.bias is None)
+
+
+def ends_run_local(plain: bool, vocab: int, tp: int, local: bool) -> bool:
+    """Whether TP runs the embedding and LM head on local shards: plain ones (`ends_are_plain`), the
+    vocabulary a multiple of tp (every rank one equal block of rows), a plan whose blocks may (`local`,
+    `tensor_parallel.path.runs_on_local_shards`). Their gradients are then the vocabulary shard's; the
+    styles' embedding hands FSDP a vocabulary-wide one (`estimate.zero.zero_memory`)."""
+    return local and plain and vocab % tp == 0
+
+
+def apply_local_ends(embed: nn.Embedding, lm_head: nn.Linear, mesh: DeviceMesh, sequence_parallel: bool,
+                     loss_parallel: bool, saved_reduce_scatter: bool = True) -> None:
+    """The embedding and LM head sharded on the vocabulary as torch's Rowwise/ColwiseParallel place them,
+    run on local shards with the blocks' boundary ops (under SP the embedding's sum is a sequence
+    reduce-scatter and the head's input a sequence all-gather, the pairwise messages on gloo). The
+    logits come out as the styles' do: a `Shard(-1)` DTensor under `loss_parallel`, else gathered."""
+    leave = functools.partial(reduce_scatter_sequence, saved=saved_reduce_scatter) if sequence_parallel \
+        else all_reduce_partial
+    _distribute(embed, mesh, lambda _: Shard(0))
+    embed.forward = functools.partial(_embedding_forward, embed, leave, mesh)  # type: ignore[method-assign]
+    _distribute(lm_head, mesh, lambda _: Shard(0))
+    _run_on_local_params(lm_head, None)
+    lm_head.register_forward_pre_hook(
+        _input_hook(gather_sequence if sequence_parallel else copy_to_tensor_parallel, mesh), with_kwargs=True)
+    lm_head.register_forward_hook(lambda m, args, out: _vocab_sharded_logits(out, mesh, loss_parallel))
+
+
+def _embedding_forward(embed: nn.Embedding, leave, mesh: DeviceMesh, ids: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the vocabulary looked up, zeros for every other token: a Partial sum."""
+    weight = embed.weight.to_local()
+    rows = weight.shape[0]
+    first = mesh.get_local_rank() * rows
+    outside = (ids < first) | (ids >= first + rows)
+    pad = embed.padding_idx
+    pad = pad - first if pad is not None and first <= pad < first + rows else None
+    out = F.embedding((ids - first).masked_fill(outside, 0), weight, pad)
+    return leave(out.masked_fill(outside.unsqueeze(-1), 0.0), mesh)
+
+
+def _vocab_sharded_logits(local: torch.Tensor, mesh: DeviceMesh, loss_parallel: bool) -> torch.Tensor:
+    logits = DTensor.from_local(local, mesh, (Shard(-1),), run_check=False)
+    return logits if loss_parallel else logits.redistribute(mesh, (Replicate(),)).to_local()
 
 
 def apply_head_params(block: nn.Module, names: list[str], mesh: DeviceMesh) -> None:

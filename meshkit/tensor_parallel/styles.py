@@ -14,6 +14,7 @@ logits, often the memory peak, never exist on one rank.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,11 @@ from meshkit.models import roles as roles_lib
 from meshkit.tensor_parallel.local import (
     apply_head_params,
     apply_local_block,
+    apply_local_ends,
     apply_local_norm,
     block_runs_local,
+    ends_are_plain,
+    ends_run_local,
     latent_attention_layers,
 )
 from meshkit.tensor_parallel.lora import apply_adapter_style
@@ -124,7 +128,12 @@ def apply_tensor_parallel(
     activation checkpointing): their SP reduce-scatters as the functional op it keeps.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+    local_ends = ends_run_local(ends_are_plain(parts.embed, parts.lm_head), parts.embed.num_embeddings,
+                                tp_mesh.size(), local)
+    if local_ends:
+        apply_local_ends(parts.embed, parts.lm_head, tp_mesh, sequence_parallel, loss_parallel, saved_reduce_scatter)
+    else:
+        parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
     rank = tp_mesh.get_local_rank()
     for block in parts.blocks:
         roles = roles_lib.block_roles(block, parts.config)
@@ -151,12 +160,10 @@ def apply_tensor_parallel(
         apply_local_norm(parts.norm, tp_mesh)
     elif sequence_parallel:
         parallelize_module(parts.norm, tp_mesh, SequenceParallel())
-    head = ColwiseParallel(
-        input_layouts=seq,
-        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-        use_local_output=not loss_parallel,
-    )
-    parallelize_module(parts.lm_head, tp_mesh, head)
+    if not local_ends:
+        head = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+        parallelize_module(parts.lm_head, tp_mesh, head)
     if parts.tied:
         # Each style distributed its own copy; the rowwise embedding and the colwise head both shard
         # the [vocab, hidden] weight on dim 0, so one DTensor can serve both again.
@@ -174,6 +181,19 @@ def dtensor_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     return [p for module in modules for p in module.parameters() if isinstance(p, DTensor)]
 
 
+@contextlib.contextmanager
+def tp_grads_of_a_call(modules: list[nn.Module], active: bool) -> Iterator[None]:
+    """Around one forward/backward call of a plan with TP and without FSDP (`active`): the summed
+    gradients of earlier calls back to Partial sums before (`grads_as_partial_sums`), every gradient
+    placed like its parameter after (`place_grads_like_params`)."""
+    if not active:
+        yield
+        return
+    grads_as_partial_sums(dtensor_params(modules))
+    yield
+    place_grads_like_params(dtensor_params(modules))
+
+
 def place_grads_like_params(params: list[nn.Parameter]) -> None:
     """Give every gradient its parameter's placement, in place, when FSDP is absent.
 
@@ -184,7 +204,8 @@ def place_grads_like_params(params: list[nn.Parameter]) -> None:
     would read one rank's share or hold full-size gradients. Done after backward rather than in
     gradient hooks, which `to_empty` (meta-device materialisation) would drop with the old tensors.
     The Partial sums of replicated parameters (every norm under SP: 2 per block) share one flat
-    all-reduce per mesh and dtype instead of one redistribute each.
+    all-reduce per mesh and dtype instead of one redistribute each; `grads_as_partial_sums` gives
+    them back their Partial form before the next call of an accumulation window.
     """
     summed: dict[tuple, list[nn.Parameter]] = {}
     for param in params:
@@ -201,6 +222,27 @@ def place_grads_like_params(params: list[nn.Parameter]) -> None:
         dist.all_reduce(flat, group=mesh.get_group())
         for p, t, chunk in zip(group, locals_, flat.split([t.numel() for t in locals_]), strict=True):
             p.grad = DTensor.from_local(chunk.view_as(t), mesh, p.placements, run_check=False)
+            setattr(p.grad, _SUMMED, True)
+
+
+def grads_as_partial_sums(params: list[nn.Parameter]) -> None:
+    """Before a call that accumulates onto gradients `place_grads_like_params` summed: the whole sum
+    on tp rank 0 and zeros elsewhere, a Partial gradient again (exactly the same sum).
+
+    Autograd adds the call's Partial gradient onto the existing one; onto a Replicate gradient DTensor
+    adds it only after an all-reduce of its own, one per norm per call (9 extra collectives per
+    microbatch of a 4-block model under SP); Partial onto Partial is a local add, and the call's end
+    sums the window in the one flat all-reduce.
+    """
+    for param in params:
+        grad = param.grad
+        if grad is not None and getattr(grad, _SUMMED, False):
+            local = grad.to_local()
+            share = local if grad.device_mesh.get_local_rank() == 0 else torch.zeros_like(local)
+            param.grad = DTensor.from_local(share, grad.device_mesh, (Partial(),), run_check=False)
+
+
+_SUMMED = "_meshkit_tp_summed"  # marks a gradient `place_grads_like_params` summed over tp
 
 
 def _sums_to_replicate(grad: DTensor, param: nn.Parameter) -> bool:
