@@ -17,6 +17,7 @@ and are all-reduced once per call (`tensor_parallel.styles.grads_as_partial_sums
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -61,8 +62,30 @@ def collective_costs(calls: int = 80) -> dict[str, tuple[float, float]]:
     return costs
 
 
-def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, float]:
-    """On every rank: the median step CPU seconds of `variant` and its last loss."""
+# thread name prefix -> the share of the process's CPU it stands for
+THREADS = {"python": "main thread", "gloo_tcp_loop": "gloo transport", "pt_gloo_runloop": "c10d workers"}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, summed by `THREADS` kind (Linux /proc)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), dict.fromkeys(THREADS.values(), 0.0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        kind = next((v for k, v in THREADS.items() if name.startswith(k)), None)
+        if kind is not None:
+            out[kind] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, float, dict[str, float]]:
+    """On every rank: the median step CPU seconds of `variant`, its last loss, and the timed steps'
+    CPU seconds per step by thread kind."""
     pairwise.applies = (lambda x, group: False) if variant == VARIANTS[2] else _APPLIES
     torch.set_num_threads(1)
     plan = "tp=2" + (",sequence_parallel=false" if variant == VARIANTS[0] else "")
@@ -72,25 +95,31 @@ def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, floa
     for step in range(warmup + steps):
         ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=gen)
         dist.barrier()
+        if step == warmup:
+            before = thread_cpu()
         start = time.process_time()
         loss = pm.forward_backward(ids, ids)
         if step >= warmup:
             cpu.append(time.process_time() - start)
+    after = thread_cpu()
     pairwise.applies = _APPLIES
-    return statistics.median(cpu), float(loss)
+    return statistics.median(cpu), float(loss), {k: (after[k] - before[k]) / steps for k in after}
 
 
 def measure(reps: int) -> dict[str, Any]:
     """The per-call costs, then every variant per repetition, order rotated."""
     costs = run_ranks(collective_costs, 2)
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    threads: dict[str, dict[str, list[float]]] = {v: {k: [] for k in THREADS.values()} for v in VARIANTS}
     losses = {}
     for rep in range(reps):
         for variant in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
             ranks = run_ranks(step_cpu, 2, variant)
             cpu[variant].append(sum(r[0] for r in ranks))
             losses[variant] = ranks[0][1]
-    return {"costs": costs, "cpu": cpu, "losses": losses}
+            for kind in THREADS.values():
+                threads[variant][kind].append(sum(r[2][kind] for r in ranks))
+    return {"costs": costs, "cpu": cpu, "losses": losses, "threads": threads}
 
 
 def report(result: dict[str, Any], reps: int) -> list[str]:
@@ -106,7 +135,13 @@ def report(result: dict[str, Any], reps: int) -> list[str]:
     base = cpu[VARIANTS[0]]
     rows = [[v, f"{result['losses'][v]:.6f}", f"{statistics.median(cpu[v]) * 1e3:.1f}",
              f"{statistics.median(a / b for a, b in zip(cpu[v], base)):.3f}"] for v in VARIANTS]
-    return lines + table(["variant", "loss", "CPU ms/step (both ranks)", "/ no SP (paired median)"], rows)
+    lines += table(["variant", "loss", "CPU ms/step (both ranks)", "/ no SP (paired median)"], rows)
+    lines += ["", "## Where a step's CPU goes, by thread (ms per step, both ranks, median over repetitions)", "",
+              "Linux accounts CPU in 10 ms ticks per thread; over 8 steps and two ranks a figure is good to a few ms.",
+              ""]
+    kinds = list(THREADS.values())
+    rows = [[v, *(f"{statistics.median(result['threads'][v][k]) * 1e3:.1f}" for k in kinds)] for v in VARIANTS]
+    return lines + table(["variant", *kinds], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
