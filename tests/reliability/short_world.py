@@ -1,11 +1,13 @@
 """A short meshkit world that ends as many scripts do: no destroy_process_group, a heartbeat still
-beating, a loader's prefetch thread still running. Launched by tests/reliability/test_teardown.py.
+beating, a loader's prefetch thread still running. Launched by tests/reliability/test_teardown.py,
+with the plan in SHORT_WORLD_PLAN (FSDP over every rank by default).
 
 The first exit handler registered (so the last to run, just before finalization) prints what is
 still alive then: the default process group and meshkit's threads. Everything must be gone.
 """
 
 import atexit
+import os
 import threading
 
 import numpy as np
@@ -29,7 +31,7 @@ from meshkit.data.store import TokenStore, write_store  # noqa: E402
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64))
-pm = meshkit.parallelize(model, meshkit.Plan(dp_shard=-1))
+pm = meshkit.parallelize(model, meshkit.Plan.from_string(os.environ.get("SHORT_WORLD_PLAN", "dp_shard=-1")))
 RANK = dist.get_rank()
 beat = heartbeat.start_for_process_group(60.0, lambda silent: None, namespace="teardown", interval_s=0.02)
 if RANK == 0:
