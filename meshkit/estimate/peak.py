@@ -286,7 +286,7 @@ def _gradients_held(plan: Plan, workload: Workload, state: ModelState, options: 
     of the step leave their sharded gradients when each call reduces (ZeRO-2/3 syncing every call),
     or their unreduced ones when the window reduces once (ZeRO-1, `grad_sync="last_microbatch"`);
     a pipeline call accumulates every unit's unreduced gradient over its microbatches, reducing after
-    the last (the dry run measured it: under TP the embedding's is vocabulary-wide, `zero.zero_memory`).
+    the last (the dry run measured it: under TP's styles the embedding's is vocabulary-wide, `zero.zero_memory`).
     Without FSDP, gradients are the parameters' own and accumulate over calls and microbatches alike.
     """
     calls = workload.calls(plan)

@@ -199,7 +199,7 @@ def place_grads_like_params(params: list[nn.Parameter]) -> None:
 
     DTensor's backward leaves some gradients placed differently from their parameters: replicated
     weights (norms) get Partial gradients, each rank having seen different tokens or heads, and the
-    vocab-parallel embedding gets a Replicate [vocab, hidden] gradient, tp times its shard. FSDP
+    styles' vocab-parallel embedding gets a Replicate [vocab, hidden] gradient, tp times its shard. FSDP
     redistributes both inside its reduce-scatter; without FSDP nothing would, and optimizers and norms
     would read one rank's share or hold full-size gradients. Done after backward rather than in
     gradient hooks, which `to_empty` (meta-device materialisation) would drop with the old tensors.
