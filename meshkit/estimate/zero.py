@@ -28,7 +28,6 @@ from meshkit.data_parallel.rules import shards_with_fsdp
 from meshkit.estimate.memory import param_specs
 from meshkit.estimate.spec import ModelState, dtype_bytes
 from meshkit.plan import Plan
-from meshkit.tensor_parallel.local import ends_run_local
 from meshkit.tensor_parallel.path import runs_on_local_shards
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32, per parameter
@@ -96,7 +95,7 @@ def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: boo
     adds the vocab-parallel embedding's gradient under TP where the ParallelStyles run it: backward
     hands it over as a Partial DTensor of the whole vocabulary, which FSDP2 replicates before
     accumulating it, so the rank holding the embedding keeps vocab x hidden elements of it, not vocab /
-    tp x hidden. On local shards (`tensor_parallel.local.ends_run_local`) it is the shard's.
+    tp x hidden. On local shards (`tensor_parallel.local.ends_are_plain`) it is the shard's.
     """
     sharded = shards_with_fsdp(plan)
     red = dtype_bytes(plan.reduce_dtype)
@@ -104,7 +103,7 @@ def zero_memory(plan: Plan, state: ModelState, config: Any = None, *, fused: boo
         if sharded and plan.zero < 3 else 0
     full = state.held_trainable * red if sharded else 0  # frozen weights (LoRA's base) have no gradient
     if sharded and config is not None and plan.tp > 1 and state.grad_unit_elements["embed"] > 0 and not \
-            ends_run_local(param_specs(config)[0][0].plain_ends, config.vocab_size, plan.tp, runs_on_local_shards(plan)):
+            (runs_on_local_shards(plan) and param_specs(config)[0][0].plain_ends):  # [0][0]: the embedding
         full += config.vocab_size * config.hidden_size * (plan.tp - 1) // plan.tp * red
     grads = 0 if fused else state.grad_bytes
     host = state.param_bytes + grads + state.optimizer_bytes if plan.offload != "none" else 0

@@ -265,17 +265,11 @@ def apply_local_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
 def ends_are_plain(embed: nn.Module, lm_head: nn.Module) -> bool:
     """Whether the embedding and LM head are the modules `apply_local_ends` can run on local shards: a
     plain `nn.Embedding` (no max_norm, dense gradients; not a subclass such as Gemma 3's scaled one)
-    and a bias-free `nn.Linear`."""
+    and a bias-free `nn.Linear`. TP runs them so wherever its blocks may (`tensor_parallel.path`); their
+    gradients are then the vocabulary shard's, where the styles' embedding hands FSDP a vocabulary-wide
+    one (`estimate.zero.zero_memory`). `Plan.validate` makes tp divide the vocabulary."""
     return (type(embed) is nn.Embedding and embed.max_norm is None and not embed.sparse
             and not embed.scale_grad_by_freq and type(lm_head) is nn.Linear and lm_head.bias is None)
-
-
-def ends_run_local(plain: bool, vocab: int, tp: int, local: bool) -> bool:
-    """Whether TP runs the embedding and LM head on local shards: plain ones (`ends_are_plain`), the
-    vocabulary a multiple of tp (every rank one equal block of rows), a plan whose blocks may (`local`,
-    `tensor_parallel.path.runs_on_local_shards`). Their gradients are then the vocabulary shard's; the
-    styles' embedding hands FSDP a vocabulary-wide one (`estimate.zero.zero_memory`)."""
-    return local and plain and vocab % tp == 0
 
 
 def apply_local_ends(embed: nn.Embedding, lm_head: nn.Linear, mesh: DeviceMesh, sequence_parallel: bool,

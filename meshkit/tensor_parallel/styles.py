@@ -40,7 +40,6 @@ from meshkit.tensor_parallel.local import (
     apply_local_norm,
     block_runs_local,
     ends_are_plain,
-    ends_run_local,
     latent_attention_layers,
 )
 from meshkit.tensor_parallel.lora import apply_adapter_style
@@ -128,8 +127,7 @@ def apply_tensor_parallel(
     activation checkpointing): their SP reduce-scatters as the functional op it keeps.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    local_ends = ends_run_local(ends_are_plain(parts.embed, parts.lm_head), parts.embed.num_embeddings,
-                                tp_mesh.size(), local)
+    local_ends = local and ends_are_plain(parts.embed, parts.lm_head)
     if local_ends:
         apply_local_ends(parts.embed, parts.lm_head, tp_mesh, sequence_parallel, loss_parallel, saved_reduce_scatter)
     else:
