@@ -63,6 +63,16 @@ class _Composite:
 
 
 _composite = threading.local()
+_active = threading.local()  # the counters entered on this thread, for collectives no op shows
+
+
+def record_collective(kind: str, group: dist.ProcessGroup, nbytes: int) -> None:
+    """Count one `kind` collective of `nbytes` on `group` in every counter active on this thread.
+
+    For collectives carried without a c10d op the dispatch mode could see
+    (`tensor_parallel.shared_memory`: a copy into memory a peer maps and a byte down a pipe)."""
+    for counter in getattr(_active, "counters", ()):
+        counter._record(kind, group.group_name, group.size(), nbytes)
 
 
 @contextmanager
@@ -151,9 +161,11 @@ class CommCounter:
 
     def __enter__(self) -> CommCounter:
         self._mode.__enter__()
+        _active.counters = (*getattr(_active, "counters", ()), self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _active.counters = tuple(c for c in getattr(_active, "counters", ()) if c is not self)
         self._mode.__exit__(*exc)
 
     def total_bytes(self) -> int:

@@ -122,3 +122,9 @@ def align_group_timeouts() -> None:
             distributed_c10d._set_pg_timeout(target, group)
         except (AssertionError, RuntimeError, ValueError):  # a group without a backend on this rank
             continue
+
+
+def group_timeout_s(group) -> float | None:
+    """A process group's collective timeout in seconds, or None where its backend does not say."""
+    timeout = _group_timeout(group)
+    return timeout.total_seconds() if timeout is not None else None

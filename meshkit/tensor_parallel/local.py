@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter, reduce_scatter_single
-from meshkit.tensor_parallel import pairwise
+from meshkit.tensor_parallel import pairwise, shared_memory
 from meshkit.tensor_parallel.lora import COLUMN_ROLES, linear_base, linear_shards
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp", "latent"})
@@ -64,6 +64,10 @@ def _sequence_to_ranks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    channel = shared_memory.channel_of(group, x)
+    out = channel.all_gather(x, group) if channel is not None else None
+    if out is not None:
+        return out
     if pairwise.applies(x, group):
         return pairwise.all_gather(x, group, size)
     x = x.contiguous()
@@ -75,6 +79,10 @@ def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -
 def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int, saved: bool) -> torch.Tensor:
     if saved:  # the functional op, which selective checkpointing keeps (as the DTensor path's reduce-scatter)
         return functional_reduce_scatter(_sequence_to_ranks(x, size), group)
+    channel = shared_memory.channel_of(group, x)
+    out = channel.reduce_scatter(x, group) if channel is not None else None
+    if out is not None:
+        return out
     if pairwise.applies(x, group):
         return pairwise.reduce_scatter(x, group, size)
     ranks = _sequence_to_ranks(x, size)
@@ -84,6 +92,10 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: in
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    channel = shared_memory.channel_of(group, x)
+    out = channel.all_reduce(x, group) if channel is not None else None
+    if out is not None:
+        return out
     out = x.contiguous().clone()  # autograd owns the incoming buffer: reduce a copy
     dist.all_reduce(out, group=group)
     return out

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 from meshkit.integrations.peft.layers import is_lora_layer
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
+from meshkit.tensor_parallel import shared_memory
 from meshkit.tensor_parallel.local import (
     apply_head_params,
     apply_local_block,
@@ -124,9 +125,12 @@ def apply_tensor_parallel(
     `loss_parallel`, else as a replicated plain tensor. With `local` (off under torch.compile), plain
     blocks and the final norm run on their local shards (`tensor_parallel.local`: same parameters,
     bytes and numerics, a fraction of the DTensor dispatch work). `saved_reduce_scatter` (selective
-    activation checkpointing): their SP reduce-scatters as the functional op it keeps.
+    activation checkpointing): their SP reduce-scatters as the functional op it keeps. CPU ranks of
+    one host on gloo run the local path's collectives through shared memory (`shared_memory`).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    if local and tp_mesh.device_type == "cpu" and "gloo" in str(dist.get_backend(tp_mesh.get_group())):
+        shared_memory.open_for(tp_mesh.get_group())  # collective: the CPU ranks of a host share memory
     local_ends = local and ends_are_plain(parts.embed, parts.lm_head)
     if local_ends:
         apply_local_ends(parts.embed, parts.lm_head, tp_mesh, sequence_parallel, loss_parallel, saved_reduce_scatter)

@@ -30,6 +30,7 @@ from meshkit.estimate import activations as acts
 from meshkit.estimate import search as plan_search
 from meshkit.estimate.__main__ import main as estimate_cli
 from meshkit.plan import DTYPES, Plan
+from meshkit.tensor_parallel import shared_memory
 
 SMALL = {
     "gqa": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -192,7 +193,8 @@ def _measure_on_rank(plan_text: str, model_kw: dict, batch: int, seq: int) -> di
 
     def snapshot(logits, targets):  # runs inside forward_backward, once every activation exists
         loss = original(logits, targets)
-        measured["activations"] = mode.live_bytes(_keys(model.parameters()) | _keys([logits]))
+        channels = _keys(shared_memory.mapped_buffers())  # the TP channel's slots: not activations
+        measured["activations"] = mode.live_bytes(_keys(model.parameters()) | _keys([logits]) | channels)
         return loss
 
     loss_lib.summed_cross_entropy = snapshot

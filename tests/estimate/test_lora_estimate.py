@@ -17,6 +17,7 @@ from meshkit import estimate as est
 from meshkit.estimate import search as plan_search
 from meshkit.integrations.peft.model import with_lora
 from meshkit.plan import DTYPES, Plan
+from meshkit.tensor_parallel import shared_memory
 from tests.estimate.test_estimate import (
     MESH_MODEL,
     _config,
@@ -57,7 +58,8 @@ def _measure_on_rank(plan_text: str) -> dict:
 
     def snapshot(logits, targets):
         loss = original(logits, targets)
-        measured["activations"] = mode.live_bytes(_keys(model.parameters()) | _keys([logits]))
+        channels = _keys(shared_memory.mapped_buffers())  # the TP channel's slots: not activations
+        measured["activations"] = mode.live_bytes(_keys(model.parameters()) | _keys([logits]) | channels)
         return loss
 
     loss_lib.summed_cross_entropy = snapshot
