@@ -29,10 +29,10 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op
     return fn(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """Summing reduce-scatter of one tensor (dim 0 split over ranks), under either torch's name."""
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """Reduce-scatter of one tensor (dim 0 split over ranks; a sum unless `op`), under either torch's name."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, op=dist.ReduceOp.SUM, group=group)
+    fn(output, input, op=op, group=group)
 
 
 def functional_reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

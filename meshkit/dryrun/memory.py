@@ -37,6 +37,7 @@ from meshkit._compat.checkpointing import in_backward
 from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit._compat.fake import allocating_on_host, is_fake
 from meshkit._compat.subclasses import flatten, is_wrapper_subclass
+from meshkit.tensor_parallel.shared_memory import mapped_buffers
 
 LARGEST = 12  # allocations listed with the peak (the largest live ones)
 HOST = "host"  # activation offload's copies (`_compat.fake.host_allocations`): never the device's bytes
@@ -48,6 +49,12 @@ _FSDP_CODE = "/torch/distributed/fsdp/"
 # outside PyTorch's allocator), which run below c10d's Python functions.
 _NOT_THE_RUNS = ("/torch/distributed/tensor/_sharding_prop.py", "/torch/distributed/distributed_c10d.py")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _transport_storages() -> set[int]:
+    """The storages of the shared-memory channels TP opens among CPU ranks: a transport's own buffers,
+    held for the process's life, like gloo's (which the dry run's fake world has no counterpart of)."""
+    return {t.untyped_storage()._cdata for t in mapped_buffers()}
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ class AllocationTracker(dispatch_mode_base()):  # type: ignore[misc]
 
     def _see(self, storage: torch.UntypedStorage, nbytes: int | None = None, part: str | None = None) -> None:
         key = storage._cdata
-        if key in self._live:
+        if key in self._live or key in _transport_storages():
             return
         part = part or self._part_now()
         if part is None:

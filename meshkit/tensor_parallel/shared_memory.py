@@ -112,6 +112,43 @@ class Channel:
         record_collective("all_reduce", group, _nbytes(x))
         return _sum_in_order(parts)
 
+    def all_gather_flat(self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """Flat [k] shards -> `out` [size*k] in rank order (FSDP's layout; `x` may already be this
+        rank's part of `out`); False where a rank refused (nothing written: take gloo)."""
+        k = x.numel()
+        slot = self._exchange(_nbytes(x), lambda own: _view(own, x.dtype, (k,)).copy_(x.reshape(-1)))
+        if slot is None:
+            return False
+        for r in range(self.size):
+            part = x.reshape(-1) if r == self.rank else _view(self._slots[r][slot], x.dtype, (k,))
+            destination = out[r * k:(r + 1) * k]
+            if part.data_ptr() != destination.data_ptr():
+                destination.copy_(part)
+        record_collective("all_gather", group, _nbytes(out))
+        return True
+
+    def reduce_scatter_flat(self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """Flat [size*k] rank-major -> `out` [k], this rank's chunk summed over ranks in rank order
+        (FSDP's layout); False where a rank refused (nothing written: take gloo)."""
+        k = out.numel()
+
+        def fill(own: torch.Tensor) -> None:
+            chunks = _view(own, x.dtype, (self.size, k))
+            for peer in range(self.size):
+                if peer != self.rank:
+                    chunks[peer].copy_(x[peer * k:(peer + 1) * k])
+
+        slot = self._exchange(_nbytes(x), fill)
+        if slot is None:
+            return False
+        parts = [x[r * k:(r + 1) * k] if r == self.rank else _view(self._slots[r][slot], x.dtype, (self.size, k))[self.rank]
+                 for r in range(self.size)]
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        record_collective("reduce_scatter", group, _nbytes(x))
+        return True
+
     def _exchange(self, nbytes: int, fill: Callable[[torch.Tensor], None]) -> int | None:
         """Publish this rank's part and wait for every peer's: the slot they are in, or None where a
         rank refused (too large, or no pages); every rank sees the same votes.
