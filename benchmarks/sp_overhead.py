@@ -7,9 +7,9 @@ the bytes are the same. So SP's CPU depends on what a transport charges per call
 one all-reduce of a [B, S, H] activation, the all-gather producing it from sequence shards and the
 reduce-scatter consuming it, through c10d on gloo, as the pairwise messages meshkit sends on gloo
 (`tensor_parallel.pairwise`; c10d's reduce-scatter on gloo is an all-reduce of a clone) and through
-the shared-memory channel meshkit opens among a host's CPU ranks (`tensor_parallel.shared_memory`).
+the shared-memory channel meshkit opens among a host's CPU ranks (`shared_memory`).
 Then four variants of the same step train in one world, order rotated per repetition: tp=2 without
-and with SP as meshkit runs them (shared memory), and both again with `MESHKIT_TP_SHARED_MEMORY=0`
+and with SP as meshkit runs them (shared memory), and both again with `MESHKIT_SHARED_MEMORY=0`
 (gloo: c10d's all-reduce, the pairwise messages). A ratio is the median over repetitions of
 (variant / its transport's no SP) of that repetition's median step CPU (process time, every thread
 included, summed over both ranks). Steps call `forward_backward` without zeroing gradients, an
@@ -32,7 +32,8 @@ from benchmarks.launch import run_ranks, seeded_llama
 from benchmarks.report import emit, machine_line, table
 from benchmarks.trainer import MODEL
 from meshkit._compat.collectives import all_gather_single, reduce_scatter_single
-from meshkit.tensor_parallel import pairwise, shared_memory
+from meshkit.tensor_parallel import pairwise
+from meshkit.transport import shared_memory
 
 BATCH, SEQ = 2, 256
 VARIANTS = ("no SP", "SP", "no SP, gloo", "SP, gloo")
@@ -92,7 +93,7 @@ def thread_cpu() -> dict[str, float]:
 def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, float, dict[str, float]]:
     """On every rank: the median step CPU seconds of `variant`, its last loss, and the timed steps'
     CPU seconds per step by thread kind."""
-    os.environ["MESHKIT_TP_SHARED_MEMORY"] = "0" if variant.endswith("gloo") else "1"
+    os.environ["MESHKIT_SHARED_MEMORY"] = "0" if variant.endswith("gloo") else "1"
     torch.set_num_threads(1)
     plan = "tp=2" + (",sequence_parallel=false" if variant.startswith("no SP") else "")
     pm = meshkit.parallelize(seeded_llama(MODEL), meshkit.Plan.from_string(plan))
@@ -108,7 +109,7 @@ def step_cpu(variant: str, steps: int = 8, warmup: int = 2) -> tuple[float, floa
         if step >= warmup:
             cpu.append(time.process_time() - start)
     after = thread_cpu()
-    os.environ.pop("MESHKIT_TP_SHARED_MEMORY")
+    os.environ.pop("MESHKIT_SHARED_MEMORY")
     return statistics.median(cpu), float(loss), {k: (after[k] - before[k]) / steps for k in after}
 
 

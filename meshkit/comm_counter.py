@@ -70,7 +70,7 @@ def record_collective(kind: str, group: dist.ProcessGroup, nbytes: int) -> None:
     """Count one `kind` collective of `nbytes` on `group` in every counter active on this thread.
 
     For collectives carried without a c10d op the dispatch mode could see
-    (`tensor_parallel.shared_memory`: a copy into memory a peer maps and a byte down a pipe)."""
+    (`shared_memory`: a copy into memory a peer maps and a byte down a pipe)."""
     for counter in getattr(_active, "counters", ()):
         counter._record(kind, group.group_name, group.size(), nbytes)
 

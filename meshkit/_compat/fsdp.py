@@ -5,6 +5,9 @@ Private or version-gated torch APIs (see `meshkit._compat`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
@@ -108,3 +111,27 @@ def fsdp_unit_policies(module) -> list[tuple[object, list]]:
         for group in _fsdp_param_groups(state):
             units.append((group.offload_policy, [p.sharded_param for p in group.fsdp_params]))
     return units
+
+
+def set_custom_comms(module, all_gather: Callable, reduce_scatter: Callable) -> None:
+    """Route an FSDP2 unit's all-gather and reduce-scatter through the given functions.
+
+    `all_gather(out, inp, group, async_op) -> Work | None` and `reduce_scatter(out, inp, group, op)`;
+    buffers are plain `torch.empty`, as FSDP2's defaults. The base classes are private in 2.11-2.13
+    (`_fsdp_api`), `set_custom_all_gather` / `set_custom_reduce_scatter` public."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class _Allocating:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+    class _AllGather(_Allocating, AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return all_gather(output_tensor, input_tensor, group, async_op)
+
+    class _ReduceScatter(_Allocating, ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            return reduce_scatter(output_tensor, input_tensor, group, op)
+
+    module.set_custom_all_gather(_AllGather())
+    module.set_custom_reduce_scatter(_ReduceScatter())

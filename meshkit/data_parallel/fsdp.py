@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 from meshkit import mesh as mesh_lib
 from meshkit._compat.fsdp import fsdp_sum_gradients
 from meshkit.activation_checkpoint import hide_hooks_from_selective_checkpoint
+from meshkit.data_parallel.host_comms import route_through_shared_memory
 from meshkit.data_parallel.offload import offload_policy
 from meshkit.data_parallel.replicate import BUCKET_MB, apply_replicate
 from meshkit.data_parallel.rules import replicates_with_ddp, shards_with_fsdp
@@ -155,6 +156,7 @@ def apply_fsdp(
     for module in wrapped:
         # A list unit shares one FSDP state among its modules; setting it on the first sets it for all.
         fsdp_sum_gradients(module[0] if isinstance(module, list) else module)
+    route_through_shared_memory(wrapped, mesh)  # CPU ranks of one host: no loopback TCP
     return wrapped
 
 

@@ -37,7 +37,7 @@ from meshkit._compat.checkpointing import in_backward
 from meshkit._compat.dispatch import dispatch_mode_base
 from meshkit._compat.fake import allocating_on_host, is_fake
 from meshkit._compat.subclasses import flatten, is_wrapper_subclass
-from meshkit.tensor_parallel.shared_memory import mapped_buffers
+from meshkit.transport.shared_memory import mapped_buffers
 
 LARGEST = 12  # allocations listed with the peak (the largest live ones)
 HOST = "host"  # activation offload's copies (`_compat.fake.host_allocations`): never the device's bytes

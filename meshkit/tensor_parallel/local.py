@@ -45,8 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshkit._compat.collectives import all_gather_single, functional_reduce_scatter, reduce_scatter_single
-from meshkit.tensor_parallel import pairwise, shared_memory
+from meshkit.tensor_parallel import pairwise
 from meshkit.tensor_parallel.lora import COLUMN_ROLES, linear_base, linear_shards
+from meshkit.transport import shared_memory
 
 LOCAL_ROLES = frozenset({"colwise", "kv_colwise", "rowwise", "seq_norm", "attention", "mlp", "latent"})
 

@@ -33,7 +33,6 @@ from torch.distributed.tensor.parallel import (
 from meshkit.integrations.peft.layers import is_lora_layer
 from meshkit.models import llama
 from meshkit.models import roles as roles_lib
-from meshkit.tensor_parallel import shared_memory
 from meshkit.tensor_parallel.local import (
     apply_head_params,
     apply_local_block,
@@ -45,6 +44,7 @@ from meshkit.tensor_parallel.local import (
 )
 from meshkit.tensor_parallel.lora import apply_adapter_style
 from meshkit.tensor_parallel.rows import apply_selected_rows
+from meshkit.transport import shared_memory
 
 
 def _block_styles(roles: dict[str, str], sequence_parallel: bool) -> dict[str, object]:

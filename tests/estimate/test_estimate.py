@@ -30,7 +30,7 @@ from meshkit.estimate import activations as acts
 from meshkit.estimate import search as plan_search
 from meshkit.estimate.__main__ import main as estimate_cli
 from meshkit.plan import DTYPES, Plan
-from meshkit.tensor_parallel import shared_memory
+from meshkit.transport import shared_memory
 
 SMALL = {
     "gqa": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,

@@ -17,7 +17,7 @@ from meshkit import estimate as est
 from meshkit.estimate import search as plan_search
 from meshkit.integrations.peft.model import with_lora
 from meshkit.plan import DTYPES, Plan
-from meshkit.tensor_parallel import shared_memory
+from meshkit.transport import shared_memory
 from tests.estimate.test_estimate import (
     MESH_MODEL,
     _config,

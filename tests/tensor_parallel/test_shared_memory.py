@@ -1,4 +1,4 @@
-"""Tensor parallelism's shared-memory channel among a host's CPU ranks (`tensor_parallel.shared_memory`):
+"""The shared-memory channel among a host's CPU ranks (`meshkit.transport.shared_memory`) and TP on it:
 the values of gathering and summing every rank's input in rank order, counted as the collective, a
 refusal on one rank sending every rank through gloo, a peer that exits or stalls failing the waiting
 rank with a message, out-of-step ranks caught, nothing left in /dev/shm, and training through it and
@@ -19,7 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshkit
 from meshkit.comm_counter import CommCounter
-from meshkit.tensor_parallel import local, shared_memory
+from meshkit.tensor_parallel import local
+from meshkit.transport import shared_memory
 
 
 def _inputs(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -154,7 +155,7 @@ def test_ranks_out_of_step_raise_instead_of_reading_an_unfilled_slot(dist):
 
 
 def _training_on_rank(plan: str, shared: bool) -> dict:
-    os.environ["MESHKIT_TP_SHARED_MEMORY"] = "1" if shared else "0"
+    os.environ["MESHKIT_SHARED_MEMORY"] = "1" if shared else "0"
     try:
         config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, use_cache=False)
@@ -166,7 +167,7 @@ def _training_on_rank(plan: str, shared: bool) -> dict:
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
         loss = pm.forward_backward(ids, ids)
     finally:
-        os.environ.pop("MESHKIT_TP_SHARED_MEMORY")
+        os.environ.pop("MESHKIT_SHARED_MEMORY")
     ref_loss = reference(input_ids=ids, labels=ids).loss
     ref_loss.backward()
     ref_grads = dict(reference.named_parameters())

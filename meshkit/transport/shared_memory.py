@@ -1,12 +1,14 @@
-"""Tensor parallelism's activation collectives through shared memory, for CPU ranks on one host.
+"""Collectives through shared memory, for CPU ranks on one host: TP's activations and FSDP's units.
 
 gloo has only network transports: on one host every message still crosses the loopback TCP stack
 and gloo's transport thread, which charges per message (~1-2 ms of CPU per collective inside a
-training step on this project's 2-core machine). Sequence parallelism issues two collectives per
-block boundary (an all-gather and a reduce-scatter) where tensor parallelism without it issues one
-all-reduce of the same bytes, so on gloo SP cost ~10% more CPU than no SP, all of it in that thread
-(issue #34, `benchmarks/sp_overhead.py`). NCCL carries intra-node traffic through shared memory or
-NVLink for the same reason; this is the CPU ranks' equivalent for the collectives on TP's hot path.
+training step on this project's 2-core machine), and its reduce-scatter is a full all-reduce of a
+clone. Sequence parallelism issues two collectives per block boundary (an all-gather and a
+reduce-scatter) where tensor parallelism without it issues one all-reduce of the same bytes, so on
+gloo SP cost ~10% more CPU than no SP, all of it in that thread (issue #34,
+`benchmarks/sp_overhead.py`). NCCL carries intra-node traffic through shared memory or NVLink for the
+same reason; this is the CPU ranks' equivalent, used by TP's local path (`tensor_parallel.local`)
+and FSDP's units (`data_parallel.host_comms`).
 
 Each rank owns a file in /dev/shm holding two slots, maps every peer's, and reads one named pipe
 per peer. A collective is: copy this rank's part into its slot, write one byte to every peer's
@@ -18,12 +20,13 @@ collective, no second barrier. No thread, no socket, and the waiting rank sleeps
 - Failure: a peer whose process exits closes its pipes and a waiting rank reads end-of-file at
   once and raises; a peer that stalls raises after the group's timeout. The files are unlinked as
   soon as every rank has mapped them, so a crash leaves nothing in /dev/shm.
-- Memory: a slot reserves pages (fallocate) up to the largest collective it carried, at most two
-  of the largest [B, S, H] activation per rank. A collective larger than a slot, or one tmpfs has no
-  room for, goes through gloo on every rank (the status byte carries the vote).
+- Memory: a slot reserves pages (fallocate) up to the largest collective it carried (TP: twice the
+  largest [B, S, H] activation per rank; FSDP: its largest unit's flat buffer). A collective larger
+  than a slot, or one tmpfs has no room for, goes through gloo on every rank (the status byte
+  carries the vote).
 - Scope: CPU tensors on a gloo group whose ranks all map one /dev/shm (`open_for` checks by doing
-  it); set `MESHKIT_TP_SHARED_MEMORY=0` to keep gloo. The collectives count as what they implement
-  (`comm_counter.record_collective`), bytes unchanged.
+  it); `MESHKIT_SHARED_MEMORY=0` on any rank keeps gloo. The collectives count as what they
+  implement (`comm_counter.record_collective`), bytes unchanged.
 """
 
 from __future__ import annotations
@@ -222,15 +225,15 @@ def mapped_buffers() -> list[torch.Tensor]:
 
 
 def enabled() -> bool:
-    """Whether this rank lets `open_for` open channels (`MESHKIT_TP_SHARED_MEMORY=0` on any rank
+    """Whether this rank lets `open_for` open channels (`MESHKIT_SHARED_MEMORY=0` on any rank
     keeps the whole group on gloo)."""
-    return os.environ.get("MESHKIT_TP_SHARED_MEMORY", "1") != "0"
+    return os.environ.get("MESHKIT_SHARED_MEMORY", "1") != "0"
 
 
 def open_for(group: dist.ProcessGroup) -> Channel | None:
     """Open (or reuse) the channel among `group`'s ranks; None where some rank cannot map /dev/shm.
 
-    Collective over `group` (parallelize calls it on the tp group before the first step). Ranks on
+    Collective over `group` (parallelize calls it on the tp and FSDP shard groups before the first step). Ranks on
     different hosts see different /dev/shm: creating and opening each other's files fails there,
     which every rank learns, and the group keeps gloo."""
     rank, size = group.rank(), group.size()
