@@ -48,7 +48,7 @@ def collective_costs(calls: int = 80) -> dict[str, tuple[float, float]]:
     activation = torch.randn(BATCH, SEQ, hidden)  # [B, S, H], as the pairwise reduce-scatter's
     shard, gathered = torch.randn(BATCH, SEQ // tp, hidden), torch.empty(tp * BATCH, SEQ // tp, hidden)
     out, group = torch.empty(BATCH, SEQ // tp, hidden), dist.group.WORLD
-    channel = shared_memory.open_for(group)
+    channel = shared_memory.open_for(group, "cpu")
     ops = {"all-reduce (c10d)": lambda: dist.all_reduce(full.clone()),
            "all-reduce (shared memory)": lambda: channel.all_reduce(activation, group),
            "all-gather (c10d)": lambda: all_gather_single(gathered, shard, group),

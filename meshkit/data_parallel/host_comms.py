@@ -29,25 +29,22 @@ def route_through_shared_memory(modules: list[nn.Module], mesh: DeviceMesh) -> b
     last axis: HSDP's is [replicate, shard]) is CPU ranks of one host on gloo; whether it did.
 
     Collective over the shard group (opening the channel); every rank decides alike."""
-    group = mesh.get_group(mesh.ndim - 1)
-    if mesh.device_type != "cpu" or "gloo" not in str(dist.get_backend(group)):
-        return False
-    if shared_memory.open_for(group) is None:
+    if shared_memory.open_for(mesh.get_group(mesh.ndim - 1), mesh.device_type) is None:
         return False
     for module in modules:
         set_custom_comms(module[0] if isinstance(module, list) else module, _all_gather, _reduce_scatter)
     return True
 
 
+# FSDP's flat buffers as one row: [k] shards gather into [1, size*k], a [1, size*k] input scatters into [1, k]
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
-    channel = shared_memory.channel_of(group, out)
-    if channel is not None and channel.all_gather_flat(out, x, group):
+    if shared_memory.try_collective("all_gather", x.view(1, -1), group, out=out.view(1, -1)) is not None:
         return None  # done: FSDP2 treats a missing work handle as a finished collective
     return all_gather_single(out, x, group, async_op=async_op)
 
 
 def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, op) -> None:
-    channel = shared_memory.channel_of(group, out)
-    if op == dist.ReduceOp.SUM and channel is not None and channel.reduce_scatter_flat(out, x, group):
+    if op == dist.ReduceOp.SUM and \
+            shared_memory.try_collective("reduce_scatter", x.view(1, -1), group, out=out.view(1, -1)) is not None:
         return
     reduce_scatter_single(out, x, group, op)

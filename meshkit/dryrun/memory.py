@@ -52,7 +52,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _transport_storages() -> set[int]:
-    """The storages of the shared-memory channels TP opens among CPU ranks: a transport's own buffers,
+    """The storages of the shared-memory channels TP and FSDP open among CPU ranks of one host: a transport's own buffers,
     held for the process's life, like gloo's (which the dry run's fake world has no counterpart of)."""
     return {t.untyped_storage()._cdata for t in mapped_buffers()}
 

@@ -65,8 +65,7 @@ def _sequence_to_ranks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    channel = shared_memory.channel_of(group, x)
-    out = channel.all_gather(x, group) if channel is not None else None
+    out = shared_memory.try_collective("all_gather", x, group)
     if out is not None:
         return out
     if pairwise.applies(x, group):
@@ -80,8 +79,7 @@ def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -
 def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int, saved: bool) -> torch.Tensor:
     if saved:  # the functional op, which selective checkpointing keeps (as the DTensor path's reduce-scatter)
         return functional_reduce_scatter(_sequence_to_ranks(x, size), group)
-    channel = shared_memory.channel_of(group, x)
-    out = channel.reduce_scatter(x, group) if channel is not None else None
+    out = shared_memory.try_collective("reduce_scatter", x, group)
     if out is not None:
         return out
     if pairwise.applies(x, group):
@@ -93,8 +91,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: in
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    channel = shared_memory.channel_of(group, x)
-    out = channel.all_reduce(x, group) if channel is not None else None
+    out = shared_memory.try_collective("all_reduce", x, group)
     if out is not None:
         return out
     out = x.contiguous().clone()  # autograd owns the incoming buffer: reduce a copy

@@ -129,8 +129,8 @@ def apply_tensor_parallel(
     one host on gloo run the local path's collectives through shared memory (`shared_memory`).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    if local and tp_mesh.device_type == "cpu" and "gloo" in str(dist.get_backend(tp_mesh.get_group())):
-        shared_memory.open_for(tp_mesh.get_group())  # collective: the CPU ranks of a host share memory
+    if local:
+        shared_memory.open_for(tp_mesh.get_group(), tp_mesh.device_type)  # CPU ranks of a host: collective
     local_ends = local and ends_are_plain(parts.embed, parts.lm_head)
     if local_ends:
         apply_local_ends(parts.embed, parts.lm_head, tp_mesh, sequence_parallel, loss_parallel, saved_reduce_scatter)

@@ -70,24 +70,28 @@ class Channel:
         self.broken = False  # a collective raised half-way: the peers' bytes are no longer in step
         weakref.finalize(self, _close_all, [own_fd, *readers.values(), *writers.values()])
 
-    def all_gather(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
-        """[B, s, ...] -> [B, size*s, ...], every rank's shard in rank order on dim 1; None where a
-        rank could not use its slot (the caller then takes gloo on every rank)."""
+    def all_gather(self, x: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B, s, ...] -> [B, size*s, ...], every rank's shard in rank order on dim 1 (into `out` when
+        given; `x` may already be this rank's part of it, as FSDP's flat [1, k] shard is); None where
+        a rank could not use its slot (the caller then takes gloo on every rank)."""
         x = x.contiguous()
         slot = self._exchange(_nbytes(x), lambda own: _view(own, x.dtype, x.shape).copy_(x))
         if slot is None:
             return None
         s = x.shape[1]
-        out = x.new_empty((x.shape[0], self.size * s, *x.shape[2:]))
+        out = x.new_empty((x.shape[0], self.size * s, *x.shape[2:])) if out is None else out
         for r in range(self.size):
             part = x if r == self.rank else _view(self._slots[r][slot], x.dtype, x.shape)
-            out[:, r * s:(r + 1) * s].copy_(part)
+            destination = out[:, r * s:(r + 1) * s]
+            if part.data_ptr() != destination.data_ptr():
+                destination.copy_(part)
         record_collective("all_gather", group, _nbytes(out))
         return out
 
-    def reduce_scatter(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+    def reduce_scatter(self, x: torch.Tensor, group: dist.ProcessGroup,
+                       out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Partial [B, S, ...] -> [B, S/size, ...], this rank's sequence chunk summed over ranks in
-        rank order; None as in `all_gather`."""
+        rank order (into `out` when given); None as in `all_gather`."""
         b, s = x.shape[0], x.shape[1] // self.size
         ranked = (self.size, b, s, *x.shape[2:])  # peer p's chunk at [p]: the slot is rank-major
 
@@ -103,7 +107,7 @@ class Channel:
         parts = [x[:, r * s:(r + 1) * s] if r == self.rank else _view(self._slots[r][slot], x.dtype, ranked)[self.rank]
                  for r in range(self.size)]
         record_collective("reduce_scatter", group, _nbytes(x))
-        return _sum_in_order(parts)
+        return _sum_in_order(parts, out)
 
     def all_reduce(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
         """The sum over ranks of `x`, in rank order, as a new tensor; None as in `all_gather`."""
@@ -114,43 +118,6 @@ class Channel:
         parts = [x if r == self.rank else _view(self._slots[r][slot], x.dtype, x.shape) for r in range(self.size)]
         record_collective("all_reduce", group, _nbytes(x))
         return _sum_in_order(parts)
-
-    def all_gather_flat(self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
-        """Flat [k] shards -> `out` [size*k] in rank order (FSDP's layout; `x` may already be this
-        rank's part of `out`); False where a rank refused (nothing written: take gloo)."""
-        k = x.numel()
-        slot = self._exchange(_nbytes(x), lambda own: _view(own, x.dtype, (k,)).copy_(x.reshape(-1)))
-        if slot is None:
-            return False
-        for r in range(self.size):
-            part = x.reshape(-1) if r == self.rank else _view(self._slots[r][slot], x.dtype, (k,))
-            destination = out[r * k:(r + 1) * k]
-            if part.data_ptr() != destination.data_ptr():
-                destination.copy_(part)
-        record_collective("all_gather", group, _nbytes(out))
-        return True
-
-    def reduce_scatter_flat(self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
-        """Flat [size*k] rank-major -> `out` [k], this rank's chunk summed over ranks in rank order
-        (FSDP's layout); False where a rank refused (nothing written: take gloo)."""
-        k = out.numel()
-
-        def fill(own: torch.Tensor) -> None:
-            chunks = _view(own, x.dtype, (self.size, k))
-            for peer in range(self.size):
-                if peer != self.rank:
-                    chunks[peer].copy_(x[peer * k:(peer + 1) * k])
-
-        slot = self._exchange(_nbytes(x), fill)
-        if slot is None:
-            return False
-        parts = [x[r * k:(r + 1) * k] if r == self.rank else _view(self._slots[r][slot], x.dtype, (self.size, k))[self.rank]
-                 for r in range(self.size)]
-        torch.add(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            out.add_(part)
-        record_collective("reduce_scatter", group, _nbytes(x))
-        return True
 
     def _exchange(self, nbytes: int, fill: Callable[[torch.Tensor], None]) -> int | None:
         """Publish this rank's part and wait for every peer's: the slot they are in, or None where a
@@ -173,13 +140,13 @@ class Channel:
             try:
                 os.write(fd, bytes([number | (_OK if ok else 0)]))
             except BrokenPipeError:
-                raise RuntimeError(f"meshkit: tensor-parallel rank {peer} closed its shared-memory channel before "
+                raise RuntimeError(f"meshkit: rank {peer} of a shared-memory group closed its channel before "
                                    f"rank {self.rank}'s collective: its process exited (see its own error)") from None
         for peer in self._readers:
             byte = self._wait(peer)
             if byte & 127 != number:
-                raise RuntimeError(f"meshkit: tensor-parallel ranks {self.rank} and {peer} are out of step on their "
-                                   f"shared-memory channel (collective {number} against {byte & 127}, mod 128): "
+                raise RuntimeError(f"meshkit: ranks {self.rank} and {peer} of a shared-memory group are out of step on their "
+                                   f"channel (collective {number} against {byte & 127}, mod 128): "
                                    "one of them skipped a collective the other ran")
             ok = ok and bool(byte & _OK)
         self.broken = False
@@ -204,11 +171,11 @@ class Channel:
             byte = None
         if byte is None:
             if not self._pollers[peer].poll(self._timeout_s * 1000):
-                raise RuntimeError(f"meshkit: tensor-parallel rank {peer} did not reach the collective within "
+                raise RuntimeError(f"meshkit: rank {peer} of a shared-memory group did not reach the collective within "
                                    f"{self._timeout_s:.0f} s (shared-memory channel, rank {self.rank} waiting)")
             byte = os.read(fd, 1)
         if not byte:
-            raise RuntimeError(f"meshkit: tensor-parallel rank {peer} closed its shared-memory channel while rank "
+            raise RuntimeError(f"meshkit: rank {peer} of a shared-memory group closed its channel while rank "
                                f"{self.rank} waited in a collective: its process exited (see its own error)")
         return byte[0]
 
@@ -216,6 +183,13 @@ class Channel:
 def channel_of(group: dist.ProcessGroup, x: torch.Tensor) -> Channel | None:
     """The channel for `x`'s collectives on `group`, or None (not a CPU tensor, or no channel)."""
     return _by_group.get(group) if x.device.type == "cpu" else None
+
+
+def try_collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup, **out) -> torch.Tensor | None:
+    """`kind` ("all_gather", "reduce_scatter" or "all_reduce", see `Channel`) of `x` through `group`'s
+    channel; None where it has none or a rank refused: the caller then takes gloo, as every rank does."""
+    channel = channel_of(group, x)
+    return getattr(channel, kind)(x, group, **out) if channel is not None else None
 
 
 def mapped_buffers() -> list[torch.Tensor]:
@@ -230,12 +204,15 @@ def enabled() -> bool:
     return os.environ.get("MESHKIT_SHARED_MEMORY", "1") != "0"
 
 
-def open_for(group: dist.ProcessGroup) -> Channel | None:
-    """Open (or reuse) the channel among `group`'s ranks; None where some rank cannot map /dev/shm.
+def open_for(group: dist.ProcessGroup, device_type: str) -> Channel | None:
+    """Open (or reuse) the channel among `group`'s ranks; None unless they are CPU ranks (`device_type`
+    of their mesh) on gloo that can all map one /dev/shm.
 
-    Collective over `group` (parallelize calls it on the tp and FSDP shard groups before the first step). Ranks on
-    different hosts see different /dev/shm: creating and opening each other's files fails there,
-    which every rank learns, and the group keeps gloo."""
+    Collective over a CPU gloo `group` (parallelize calls it on the tp and FSDP shard groups before
+    the first step). Ranks on different hosts see different /dev/shm: creating and opening each
+    other's files fails there, which every rank learns, and the group keeps gloo."""
+    if device_type != "cpu" or "gloo" not in str(dist.get_backend(group)):
+        return None
     rank, size = group.rank(), group.size()
     members = [None] * size
     dist.all_gather_object(members, (socket.gethostname(), os.getpid(), enabled()), group=group)
@@ -251,7 +228,7 @@ def open_for(group: dist.ProcessGroup) -> Channel | None:
         return held
     fresh = [None] * size
     dist.all_gather_object(fresh, uuid.uuid4().hex, group=group)
-    channel = _open(group, f"{_ROOT}/meshkit-tp-{fresh[0]}", fresh[0], rank, size)
+    channel = _open(group, f"{_ROOT}/meshkit-shm-{fresh[0]}", fresh[0], rank, size)
     if channel is not None:
         _by_members[tuple(members)] = channel
         _by_group[group] = channel
@@ -352,8 +329,9 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def _sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
-    out = parts[0] + parts[1]  # a new tensor: the parts are the caller's and the peers' memory
+def _sum_in_order(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    # a new tensor (or the caller's `out`): the parts are the caller's and the peers' memory
+    out = torch.add(parts[0], parts[1], out=out) if out is not None else parts[0] + parts[1]
     for part in parts[2:]:
         out.add_(part)
     return out

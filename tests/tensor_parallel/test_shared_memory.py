@@ -36,9 +36,9 @@ def _in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _collectives_on_rank(batch: int, dtype: torch.dtype) -> dict:
     rank, size, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    channel = shared_memory.open_for(group)
-    again = shared_memory.open_for(dist.new_group(list(range(size))))  # the same processes: one channel
-    left = glob.glob("/dev/shm/meshkit-tp-*")
+    channel = shared_memory.open_for(group, "cpu")
+    again = shared_memory.open_for(dist.new_group(list(range(size))), "cpu")  # the same processes: one channel
+    left = glob.glob("/dev/shm/meshkit-shm-*")
     s, hidden = 3, 5
     shard, partial = _inputs(rank, (batch, s, hidden), dtype), _inputs(size + rank, (batch, size * s, hidden), dtype)
     with CommCounter() as counter:
@@ -69,7 +69,7 @@ def test_channel_collectives_match_gathering_and_summing_in_rank_order(dist):
 
 def _refusal_on_rank() -> dict:
     rank, size, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    channel = shared_memory.open_for(group)
+    channel = shared_memory.open_for(group, "cpu")
     before = channel._count
     x = _inputs(rank, (2, 2 * size, 4))
     if rank == 1:  # only this rank's slot is too small: every rank must still take gloo together
@@ -95,7 +95,7 @@ def test_a_refusal_on_one_rank_sends_every_rank_through_gloo(dist):
 
 
 def _peer_exits_on_rank() -> str:
-    channel = shared_memory.open_for(dist.group.WORLD)
+    channel = shared_memory.open_for(dist.group.WORLD, "cpu")
     if dist.get_rank() == 1:
         os._exit(3)
     try:
@@ -110,12 +110,12 @@ def test_a_peer_that_exits_fails_the_waiting_rank_at_once(dist):
     outcomes = dist(2).run_raw(_peer_exits_on_rank)
     assert time.monotonic() - start < 30.0
     assert not outcomes[1].ok
-    assert outcomes[0].ok and "rank 1 closed its shared-memory channel" in outcomes[0].value, outcomes[0]
+    assert outcomes[0].ok and "rank 1 of a shared-memory group closed its channel" in outcomes[0].value, outcomes[0]
 
 
 def _stall_then_reopen_on_rank() -> dict:
     rank, group = dist.get_rank(), dist.group.WORLD
-    channel = shared_memory.open_for(group)
+    channel = shared_memory.open_for(group, "cpu")
     message = ""
     if rank == 0:
         channel._timeout_s = 0.5
@@ -125,21 +125,21 @@ def _stall_then_reopen_on_rank() -> dict:
             message = str(err)
     else:
         time.sleep(2.0)  # never joins that collective
-    fresh = shared_memory.open_for(group)  # rank 0's channel is broken: both ranks open a new one
+    fresh = shared_memory.open_for(group, "cpu")  # rank 0's channel is broken: both ranks open a new one
     total = fresh.all_reduce(torch.full((4,), float(rank + 1)), group)
     return {"message": message, "fresh": fresh.token != channel.token, "total": total.tolist()}
 
 
 def test_a_stalled_peer_times_out_and_the_next_parallelize_opens_a_fresh_channel(dist):
     results = dist(2).run(_stall_then_reopen_on_rank)
-    assert "rank 1 did not reach the collective within 0 s" in results[0]["message"] or \
-        "rank 1 did not reach the collective within 1 s" in results[0]["message"], results[0]
+    assert "rank 1 of a shared-memory group did not reach the collective within 0 s" in results[0]["message"] or \
+        "rank 1 of a shared-memory group did not reach the collective within 1 s" in results[0]["message"], results[0]
     for rank, r in enumerate(results):
         assert r["fresh"] and r["total"] == [3.0] * 4, f"rank {rank}: {r}"
 
 
 def _out_of_step_on_rank() -> str:
-    channel = shared_memory.open_for(dist.group.WORLD)
+    channel = shared_memory.open_for(dist.group.WORLD, "cpu")
     if dist.get_rank() == 0:
         channel._count += 2  # as if it had run a collective its peer never saw (same slot parity)
     try:
